@@ -1,0 +1,4 @@
+from .compressed import CompressedKVCache
+from .view import KVView, Segment
+
+__all__ = ["CompressedKVCache", "KVView", "Segment"]

@@ -1,0 +1,73 @@
+"""A tuple of arrays that grows along axis 2 with spare capacity (as mlx-lm's KVCache does)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+STEP = 256
+
+
+class Buffer:
+    """Parts share axis 2 (tokens or blocks); `n` entries of it are in use.
+
+    ```
+    parts[i]: (B, H, capacity, ...)   [0, n) in use, [n, capacity) spare
+    ```
+    """
+
+    def __init__(self, step: int = STEP):
+        self.parts: tuple[mx.array, ...] | None = None
+        self.n = 0
+        self.step = step
+
+    def __len__(self) -> int:
+        return self.n
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.parts is None else self.parts[0].shape[2]
+
+    def append(self, new: tuple[mx.array, ...]) -> None:
+        k = new[0].shape[2]
+        if k == 0:
+            return
+        if self.parts is None or self.n + k > self.capacity:
+            grow = (k + self.step - 1) // self.step * self.step
+
+            def widen(old, part):
+                spare = mx.zeros((*part.shape[:2], grow, *part.shape[3:]), dtype=part.dtype)
+                return spare if old is None else mx.concatenate([old[:, :, : self.n], spare], axis=2)
+
+            olds = self.parts or (None,) * len(new)
+            self.parts = tuple(widen(o, p) for o, p in zip(olds, new))
+        for part, value in zip(self.parts, new):
+            part[:, :, self.n : self.n + k] = value
+        self.n += k
+
+    def get(self, start: int = 0, stop: int | None = None) -> tuple[mx.array, ...]:
+        stop = self.n if stop is None else stop
+        return tuple(p[:, :, start:stop] for p in self.parts)
+
+    def drop_front(self, k: int) -> None:
+        if k <= 0:
+            return
+        if k >= self.n:
+            self.clear()
+            return
+        self.parts = tuple(p[:, :, k : self.n] for p in self.parts)
+        self.n -= k
+
+    def truncate(self, n: int) -> None:
+        self.n = max(0, min(n, self.n))
+
+    def clear(self) -> None:
+        self.parts, self.n = None, 0
+
+    def set(self, parts: tuple[mx.array, ...]) -> None:
+        self.parts, self.n = parts, parts[0].shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        if self.parts is None or self.n == 0:
+            return 0
+        return sum(p.nbytes * self.n // p.shape[2] for p in self.parts)

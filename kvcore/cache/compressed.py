@@ -1,0 +1,229 @@
+"""CompressedKVCache: full-attention or sliding-window KV storage through a codec.
+
+Tokens are stored dense until `start`, then converted: complete blocks go through the
+codec, the incomplete last block (token-layout codecs only) stays dense until it fills.
+A sliding window keeps the first `keep` tokens (dense: the attention sink) and the last
+`window - keep`; older ones are dropped in steps of `TRIM_STEP` tokens so that rollback
+(`trim`) stays possible and every codec's blocks are dropped whole.
+
+Honours mlx-lm's cache protocol (`update_and_fetch`, `offset`, `make_mask`, `trim`, ...);
+`update_and_fetch` returns a `KVView` that `kvcore.attention` reads.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.models.cache import _BaseCache
+
+from ..codecs import CodecSpec, make_codec
+from .buffer import Buffer
+from .view import DENSE, ENCODED, SHADOW, KVView, Segment
+
+TRIM_STEP = 128  # a multiple of every block size, so dropping never splits a block
+
+
+class CompressedKVCache(_BaseCache):
+    def __init__(
+        self,
+        key_spec: CodecSpec,
+        value_spec: CodecSpec | None = None,
+        start: int = 0,
+        window: int | None = None,
+        keep: int = 0,
+    ):
+        if window is not None and keep >= window:
+            raise ValueError(f"keep ({keep}) must be smaller than the window ({window})")
+        self.key_spec = key_spec
+        self.value_spec = value_spec or key_spec
+        self.start = start if key_spec.compresses or self.value_spec.compresses else None
+        self.window = window
+        self.keep = keep if window is not None else 0
+        self.offset = 0
+        self.converted = False
+        self.key_codec = self.value_codec = None
+        self.sink = Buffer()  # dense (k, v) of positions [0, keep)
+        self.enc = Buffer()  # encoded (k parts..., v parts...), block axis 2
+        self.tail = Buffer()  # dense (k, v), positions [tail_start, offset)
+        self.enc_start = self.tail_start = self.keep
+        self._dims = None  # (B, H, D, Dv, dtype)
+
+    # -- layout -------------------------------------------------------------
+    @property
+    def block_tokens(self) -> int:
+        return self.key_codec.block_tokens if self.key_codec else 1
+
+    def _ensure_codecs(self, keys: mx.array, values: mx.array) -> None:
+        if self._dims is None:
+            B, H, _, D = keys.shape
+            self._dims = (B, H, D, values.shape[-1], keys.dtype)
+            self.key_codec = make_codec(self.key_spec, D)
+            self.value_codec = make_codec(self.value_spec, values.shape[-1])
+            bt = {c.block_tokens for c in (self.key_codec, self.value_codec) if c}
+            if len(bt) > 1:
+                raise ValueError("key and value codecs must use the same block size")
+
+    @property
+    def pending_conversion(self) -> bool:
+        return self.start is not None and not self.converted and self.offset >= self.start
+
+    # -- protocol -----------------------------------------------------------
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        self._ensure_codecs(keys, values)
+        if self.pending_conversion:
+            self.convert()
+        N = keys.shape[2]
+        q_start = self.offset
+        self._drop_old(q_start)
+        n_sink = max(0, min(N, self.keep - self.offset)) if self.window else 0
+        if n_sink:
+            self.sink.append((keys[:, :, :n_sink], values[:, :, :n_sink]))
+        self.tail.append((keys[:, :, n_sink:], values[:, :, n_sink:]))
+        self.offset += N
+        shadow = self._encode_complete_blocks() if self.converted else None
+        view = self._view(q_start, N, shadow)
+        return view, view
+
+    def _drop_old(self, q_start: int) -> None:
+        """Drop recent tokens no query from q_start on can see, in TRIM_STEP steps."""
+        if self.window is None:
+            return
+        needed = max(self.keep, q_start - (self.window - self.keep) + 1)
+        drop_to = self.keep + (needed - self.keep) // TRIM_STEP * TRIM_STEP
+        if self.enc.n and drop_to > self.enc_start:
+            k = min(drop_to - self.enc_start, self.enc.n * self.block_tokens)
+            self.enc.drop_front(k // self.block_tokens)
+            self.enc_start += k
+        if not self.enc.n and drop_to > self.tail_start:
+            self.tail.drop_front(drop_to - self.tail_start)  # drop_to <= q_start: all stored
+            self.tail_start = drop_to
+        if not self.enc.n:
+            self.enc_start = self.tail_start
+
+    def _encode_complete_blocks(self):
+        bt = self.block_tokens
+        nb = self.tail.n // bt
+        if nb == 0:
+            return None
+        k, v = self.tail.get(0, nb * bt)
+        if not self.enc.n:
+            self.enc_start = self.tail_start
+        ek = self.key_codec.encode(k)
+        self._n_key_parts = len(ek)
+        self.enc.append((*ek, *self.value_codec.encode(v)))
+        self.tail.drop_front(nb * bt)
+        self.tail_start += nb * bt
+        if bt == 1:
+            return None  # each token is read encoded from its own query on
+        return (k, v, self.tail_start - nb * bt)
+
+    def convert(self) -> None:
+        """Encode everything stored so far (one layer; callers eval between layers)."""
+        if self.converted or self.start is None or self._dims is None:
+            self.converted = self.converted or self.start is not None
+            return
+        self.converted = True
+        self.enc_start = self.tail_start
+        self._encode_complete_blocks()
+
+    def _view(self, q_start: int, N: int, shadow) -> KVView:
+        B, H, D, Dv, _ = self._dims
+        segs = []
+        if self.sink.n:
+            k, v = self.sink.get()
+            segs.append(Segment(DENSE, k, v, 0, self.sink.n))
+        if self.enc.n:
+            ks, vs = self._split_enc()
+            bt = self.block_tokens
+            segs.append(
+                Segment(ENCODED, ks, vs, self.enc_start, self.enc.n * bt, bt,
+                        self.key_codec, self.value_codec)
+            )
+        if shadow is not None:
+            k, v, pos = shadow
+            segs.append(Segment(SHADOW, k, v, pos, k.shape[2], self.block_tokens))
+        if self.tail.n:
+            k, v = self.tail.get()
+            segs.append(Segment(DENSE, k, v, self.tail_start, self.tail.n))
+        return KVView(segs, q_start, N, self.window, self.keep, B, H, D, Dv)
+
+    def _split_enc(self):
+        parts = self.enc.get()
+        return parts[: self._n_key_parts], parts[self._n_key_parts :]
+
+    @property
+    def state(self) -> tuple:
+        """Every stored array: sink (k, v), encoded parts, tail (k, v)."""
+        return tuple(a for b in (self.sink, self.enc, self.tail) if b.n for a in b.get())
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        # attention over a KVView builds its mask from token positions; this is for code that
+        # only checks the kind of mask it gets.
+        return None if N == 1 else "causal"
+
+    def size(self) -> int:
+        return self.sink.n + self.enc.n * self.block_tokens + self.tail.n
+
+    def empty(self) -> bool:
+        return self._dims is None
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        """Remove the last n tokens (as many as the window still allows); returns how many."""
+        n = min(n, self.offset)
+        if self.window is not None:
+            stored_from = self.enc_start if self.enc.n else self.tail_start
+            if stored_from > self.keep:  # the next query must still see a whole window
+                n = min(n, max(0, self.offset - stored_from - (self.window - self.keep) + 1))
+        if n <= 0:
+            return 0
+        rest = n
+        k = min(rest, self.tail.n)
+        self.tail.truncate(self.tail.n - k)
+        rest -= k
+        k = min(rest, self.enc.n * self.block_tokens)
+        if k:
+            self._trim_encoded(k)
+            rest -= k
+        self.sink.truncate(self.sink.n - rest)
+        self.offset -= n
+        return n
+
+    def _trim_encoded(self, n: int) -> None:
+        bt = self.block_tokens
+        blocks = (n + bt - 1) // bt
+        keep_tokens = blocks * bt - n  # tokens of the last dropped block to restore dense
+        if keep_tokens:
+            ks, vs = self._split_enc()
+            b0 = self.enc.n - blocks
+            dtype = self._dims[4]
+            k = self.key_codec.decode(tuple(a[:, :, b0 : b0 + 1] for a in ks), dtype)
+            v = self.value_codec.decode(tuple(a[:, :, b0 : b0 + 1] for a in vs), dtype)
+            self.tail.clear()
+            self.tail.append((k[:, :, :keep_tokens], v[:, :, :keep_tokens]))
+        self.enc.truncate(self.enc.n - blocks)
+        self.tail_start = self.enc_start + self.enc.n * bt
+
+    @property
+    def nbytes(self) -> int:
+        return self.sink.nbytes + self.enc.nbytes + self.tail.nbytes
+
+    @property
+    def elements(self) -> int:
+        """Logical K and V elements stored (tokens x heads x dims)."""
+        if self._dims is None:
+            return 0
+        B, H, D, Dv, _ = self._dims
+        return self.size() * B * H * (D + Dv)
+
+    def describe(self) -> dict:
+        return {
+            "kind": "window" if self.window is not None else "full-attention",
+            "window": self.window,
+            "keep": self.keep,
+            "key": self.key_codec.describe() if self.key_codec else self.key_spec.to_json(),
+            "value": self.value_codec.describe() if self.value_codec else self.value_spec.to_json(),
+            "start": self.start,
+            "converted": self.converted,
+        }

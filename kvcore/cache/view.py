@@ -1,0 +1,84 @@
+"""What a compressed cache hands to attention: its stored tokens as segments.
+
+A segment is a run of consecutive true token positions stored one way:
+
+```
+position:  0 .. keep-1 | enc_start ............ | tail_start ... offset-1
+segment:   keep (dense)| encoded blocks         | tail (dense)
+                       | shadow: dense copy of the blocks encoded by this update
+```
+Which query sees which column is decided from positions alone (see `visible`), so the
+result of attention never depends on how the prompt was chunked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+DENSE, ENCODED, SHADOW = "dense", "encoded", "shadow"
+
+
+@dataclass
+class Segment:
+    kind: str  # DENSE | ENCODED | SHADOW
+    keys: Any  # dense (B, H, T, D) or codec-encoded tuple (block axis 2)
+    values: Any
+    start: int  # true position of the first column
+    length: int  # columns (tokens)
+    block_tokens: int = 1
+    key_codec: Any = None
+    value_codec: Any = None
+
+    def dense(self, lo: int, hi: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+        """Columns [lo, hi) of this segment as dense (B, H, hi-lo, D) keys and values."""
+        if self.kind != ENCODED:
+            return self.keys[:, :, lo:hi], self.values[:, :, lo:hi]
+        bt = self.block_tokens
+        b0, b1 = lo // bt, (hi + bt - 1) // bt
+        k = self.key_codec.decode(tuple(a[:, :, b0:b1] for a in self.keys), dtype)
+        v = self.value_codec.decode(tuple(a[:, :, b0:b1] for a in self.values), dtype)
+        cut = lo - b0 * bt
+        return k[:, :, cut : cut + hi - lo], v[:, :, cut : cut + hi - lo]
+
+    def visible(self, q_pos: mx.array, lo: int, hi: int, window: int | None, keep: int) -> mx.array:
+        """(N, hi-lo) bool: may the query at q_pos[n] attend to column j of this segment."""
+        j = mx.arange(self.start + lo, self.start + hi)[None]
+        q = q_pos[:, None]
+        mask = j <= q
+        if window is not None:
+            mask = mask & ((j < keep) | (q - j < window - keep))
+        if self.kind != DENSE and self.block_tokens > 1:
+            # a block is read encoded from the query at its last position on
+            last = self.start + (j - self.start) // self.block_tokens * self.block_tokens
+            last = last + self.block_tokens - 1
+            mask = mask & ((q >= last) if self.kind == ENCODED else (q < last))
+        return mask
+
+
+@dataclass
+class KVView:
+    """Returned by a compressed cache's `update_and_fetch`, as both keys and values."""
+
+    segments: list[Segment]
+    q_start: int  # true position of the first query of this update
+    n_queries: int
+    window: int | None
+    keep: int
+    batch: int
+    heads: int
+    head_dim: int
+    value_dim: int
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.batch, self.heads, sum(s.length for s in self.segments), self.head_dim)
+
+    @property
+    def q_positions(self) -> mx.array:
+        return mx.arange(self.q_start, self.q_start + self.n_queries)
+
+    def all_dense(self) -> bool:
+        return all(s.kind == DENSE for s in self.segments)

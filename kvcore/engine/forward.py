@@ -1,0 +1,68 @@
+"""Model forward passes over a cache list: chunked prefill and one decode step.
+
+Before each forward pass, layers whose conversion is due are converted one at a time and
+materialized before the next (streaming: the transient is one layer), and a prefill chunk
+that would cross a conversion start is split there, so what a query sees never depends on
+the chunk size.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..cache import CompressedKVCache
+
+DEFAULT_PREFILL_CHUNK = 512
+
+
+def compressed(caches: list) -> list[CompressedKVCache]:
+    return [c for c in caches if isinstance(c, CompressedKVCache)]
+
+
+def convert_due(caches: list) -> int:
+    """Convert, layer by layer, every cache whose start has been reached; returns how many."""
+    n = 0
+    for c in compressed(caches):
+        if c.pending_conversion:
+            c.convert()
+            mx.eval(c.state)
+            n += 1
+    return n
+
+
+def next_boundary(caches: list, pos: int) -> int | None:
+    """The first conversion start after `pos`, if any layer still has one ahead."""
+    starts = [c.start for c in compressed(caches) if c.start is not None and not c.converted and c.start > pos]
+    return min(starts) if starts else None
+
+
+def cache_offset(caches: list) -> int:
+    for c in caches:
+        if hasattr(c, "offset"):
+            return int(c.offset)
+    return 0
+
+
+def forward(model: nn.Module, tokens: mx.array, caches: list) -> mx.array:
+    """tokens: (1, N) -> logits (1, N, vocab), after converting layers that are due."""
+    convert_due(caches)
+    return model(tokens, cache=caches)
+
+
+def prefill(model: nn.Module, tokens: list[int], caches: list, chunk: int = DEFAULT_PREFILL_CHUNK) -> mx.array:
+    """Feed all of `tokens`; returns the last position's logits (1, vocab)."""
+    if not tokens:
+        raise ValueError("prefill needs at least one token")
+    pos0 = cache_offset(caches)
+    i, logits = 0, None
+    while i < len(tokens):
+        end = min(i + chunk, len(tokens))
+        b = next_boundary(caches, pos0 + i)
+        if b is not None and b < pos0 + end:
+            end = b - pos0
+        logits = forward(model, mx.array(tokens[i:end])[None], caches)
+        i = end
+        if i < len(tokens):
+            mx.eval([c.state for c in caches])
+    return logits[:, -1, :]

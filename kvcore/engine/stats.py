@@ -1,0 +1,39 @@
+"""KV memory figures over a cache list (mlx-lm caches and ours)."""
+
+from __future__ import annotations
+
+from ..cache import CompressedKVCache
+
+
+def _elements(c) -> int:
+    if isinstance(c, CompressedKVCache):
+        return c.elements
+    keys = getattr(c, "keys", None)
+    if keys is None or isinstance(keys, (tuple, list)) or not hasattr(c, "offset"):
+        return 0
+    B, H, _, D = keys.shape
+    tokens = c.size() if hasattr(c, "size") and c.size() else min(c.offset, keys.shape[2])
+    return tokens * B * H * (D + c.values.shape[-1])
+
+
+def kv_bytes(caches: list) -> int:
+    total = 0
+    for c in caches:
+        try:
+            total += int(c.nbytes)
+        except (NotImplementedError, AttributeError, TypeError):
+            pass
+    return total
+
+
+def kv_summary(caches: list) -> dict:
+    """Attention-KV bytes, logical elements and bits per element (other state excluded)."""
+    attn = [c for c in caches if _elements(c)]
+    nbytes = kv_bytes(attn)
+    elements = sum(_elements(c) for c in attn)
+    return {
+        "kv_bytes": nbytes,
+        "kv_elements": elements,
+        "bits_per_element": round(8 * nbytes / elements, 3) if elements else None,
+        "other_state_bytes": kv_bytes([c for c in caches if c not in attn]),
+    }

@@ -1,0 +1,2 @@
+class MlxkvError(Exception):
+    """A user-facing error: one line, no traceback, exit code 1."""

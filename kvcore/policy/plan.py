@@ -1,0 +1,125 @@
+"""KVPolicy (what the user asked for) -> per-layer plan -> caches for a model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+from ..cache import CompressedKVCache
+from ..codecs import BITS, FULL, GROUPS, CodecSpec, codec_names
+from ..errors import MlxkvError
+
+MLX_LM_DEFAULT_START = 5000  # mlx-lm's quantized_kv_start default
+
+
+@dataclass(frozen=True)
+class KVPolicy:
+    """Resolved once per run. `layer_codecs` (from a kv_config) overrides `codec` per layer."""
+
+    codec: CodecSpec = FULL
+    start: int = 0
+    max_kv_size: int | None = None
+    keep: int = 4
+    layer_codecs: tuple[tuple[int, CodecSpec], ...] | None = None
+    source: str = "flags"
+
+    def __post_init__(self):
+        if self.codec.compresses:
+            if self.codec.name not in codec_names():
+                raise MlxkvError(f"unknown KV codec {self.codec.name!r}")
+            if self.codec.name == "affine" and self.codec.bits not in BITS:
+                raise MlxkvError(f"--kv-bits must be one of {list(BITS)}, got {self.codec.bits}")
+            if self.codec.name == "affine" and self.codec.group_size not in GROUPS:
+                raise MlxkvError(f"--kv-group-size must be one of {list(GROUPS)}, got {self.codec.group_size}")
+        if self.start < 0:
+            raise MlxkvError(f"--quantized-kv-start must be >= 0, got {self.start}")
+        if self.max_kv_size is not None and self.max_kv_size <= self.keep:
+            raise MlxkvError(f"--max-kv-size ({self.max_kv_size}) must be larger than keep ({self.keep})")
+
+    @property
+    def compresses(self) -> bool:
+        return self.codec.compresses or bool(self.layer_codecs)
+
+    @property
+    def active(self) -> bool:
+        """Whether mlxkv caches are needed at all (else mlx-lm's own caches are used)."""
+        return self.compresses or self.max_kv_size is not None
+
+    def codec_for(self, layer: int) -> CodecSpec:
+        if self.layer_codecs is not None:
+            return dict(self.layer_codecs).get(layer, FULL)
+        return self.codec
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    index: int
+    kind: str  # "full-attention" | "window" | "other" (SSM state etc.: never compressed)
+    codec: CodecSpec = field(default=FULL)
+    start: int | None = None
+    window: int | None = None
+    keep: int = 0
+
+    def to_json(self) -> dict:
+        return {"layer": self.index, "kind": self.kind, **self.codec.to_json(),
+                "start": self.start, "window": self.window, "keep": self.keep}
+
+
+def _template(model: nn.Module) -> list:
+    if hasattr(model, "make_cache"):
+        return model.make_cache()
+    return [KVCache() for _ in model.layers]
+
+
+def plan_layers(model: nn.Module, policy: KVPolicy) -> list[LayerPlan]:
+    template = _template(model)
+    n_layers = len(getattr(model, "layers", template))
+    if policy.layer_codecs is not None:
+        if len(template) != n_layers:
+            raise MlxkvError(
+                f"kv_config layer_idx cannot be mapped: the model has {n_layers} layers "
+                f"but {len(template)} caches"
+            )
+        for idx, _ in policy.layer_codecs:
+            if idx >= len(template):
+                raise MlxkvError(f"kv_config: layer_idx {idx} out of range (model has {n_layers} layers)")
+            if type(template[idx]) not in (KVCache, RotatingKVCache):
+                raise MlxkvError(
+                    f"kv_config: layer_idx {idx} is a {type(template[idx]).__name__} layer, not attention"
+                )
+    plans = []
+    for i, c in enumerate(template):
+        if type(c) is RotatingKVCache:
+            kind, window, keep = "window", c.max_size, c.keep
+        elif type(c) is KVCache:
+            kind, window, keep = "full-attention", None, 0
+            if policy.max_kv_size is not None:
+                kind, window, keep = "window", policy.max_kv_size, policy.keep
+        else:
+            plans.append(LayerPlan(i, "other"))
+            continue
+        codec = policy.codec_for(i)
+        plans.append(LayerPlan(i, kind, codec, policy.start if codec.compresses else None, window, keep))
+    return plans
+
+
+def build_caches(model: nn.Module, policy: KVPolicy) -> tuple[list, list[LayerPlan]]:
+    """The model's cache list under `policy`, and the per-layer plan it follows.
+
+    With nothing to compress and no window, mlx-lm's own caches are returned unchanged.
+    Otherwise every attention layer gets a CompressedKVCache (full-precision layers too), so
+    masks and layouts agree across layers of one kind.
+    """
+    template = _template(model)
+    plans = plan_layers(model, policy)
+    if not policy.active:
+        return template, plans
+    caches = []
+    for c, p in zip(template, plans):
+        if p.kind == "other":
+            caches.append(c)
+        else:
+            caches.append(CompressedKVCache(p.codec, start=p.start or 0, window=p.window, keep=p.keep))
+    return caches, plans
