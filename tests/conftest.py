@@ -1,0 +1,46 @@
+"""Shared pytest fixtures.
+
+Add new fixtures in their own clearly-marked section below; keep this file
+free of test logic.  Builders live in ``tests/fixtures/`` (importable as
+``fixtures.<module>`` because pytest puts this directory on ``sys.path``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Dict
+
+import pytest
+
+from fixtures.tiny_models import FAMILIES, build_tiny_model
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+# --- models -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """The embedded stories260K llama model (real weights, vocab 512)."""
+    return REPO_ROOT / "kvcore/assets/stories260K"
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> Callable[[str], Path]:
+    """``get(family) -> Path``: a tiny random-weight model folder per family.
+
+    Families: ``fixtures.tiny_models.FAMILIES``.  Each is built lazily, once
+    per session, and loads with ``mlx_lm.load(str(path))``.
+    """
+    root = tmp_path_factory.mktemp("tiny_models")
+    built: Dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in FAMILIES:
+            raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+        if family not in built:
+            built[family] = build_tiny_model(family, root / family)
+        return built[family]
+
+    return get
