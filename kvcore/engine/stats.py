@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import mlx.core as mx
+
 from ..cache import CompressedKVCache
 
 
@@ -16,14 +18,21 @@ def _elements(c) -> int:
     return tokens * B * H * (D + c.values.shape[-1])
 
 
+def _used_bytes(c) -> int:
+    """Bytes of stored tokens (mlx-lm's caches preallocate in steps of 256; spare not counted)."""
+    if isinstance(c, CompressedKVCache):
+        return c.nbytes
+    keys = getattr(c, "keys", None)
+    if _elements(c) and isinstance(keys, mx.array):
+        return (keys.nbytes + c.values.nbytes) * _elements(c) // (keys.size + c.values.size)
+    try:
+        return int(c.nbytes)
+    except (NotImplementedError, AttributeError, TypeError):
+        return 0
+
+
 def kv_bytes(caches: list) -> int:
-    total = 0
-    for c in caches:
-        try:
-            total += int(c.nbytes)
-        except (NotImplementedError, AttributeError, TypeError):
-            pass
-    return total
+    return sum(_used_bytes(c) for c in caches)
 
 
 def kv_summary(caches: list) -> dict:

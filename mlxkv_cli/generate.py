@@ -1,0 +1,64 @@
+"""`mlxkv generate`: parse -> GenerateJob -> kvcore.run_generate -> render."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from kvcore.engine import SamplingConfig
+from kvcore.policy import KVOptions
+from kvcore.run import GenerateJob, run_generate
+
+from . import output
+from .options import (DtypeOpt, JsonOpt, KeepOpt, KvBitsOpt, KvConfigOpt, KvGroupOpt, KvStartOpt, MaxKvOpt,
+                      ModelOpt, ProfileOpt, VerboseOpt)
+from .prompts import read_prompt
+
+
+def generate(
+    prompt_arg: Annotated[Optional[str], typer.Argument(metavar="PROMPT", help="The prompt ('-' reads stdin).")] = None,
+    prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="The prompt ('-' reads stdin).")] = None,
+    prompt_file: Annotated[Optional[Path], typer.Option(help="Read the prompt from a file ('-' for stdin).")] = None,
+    model: ModelOpt = None,
+    dtype: DtypeOpt = None,
+    system_prompt: Annotated[Optional[str], typer.Option(help="System message (chat template), else prepended.")] = None,
+    no_chat_template: Annotated[bool, typer.Option("--no-chat-template", help="Feed the raw prompt.")] = False,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Tokens to generate.")] = 256,
+    temp: Annotated[float, typer.Option(help="Sampling temperature (0 = greedy).")] = 0.0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass.")] = 1.0,
+    min_p: Annotated[float, typer.Option(help="Min-p sampling threshold.")] = 0.0,
+    seed: Annotated[Optional[int], typer.Option(help="Random seed.")] = None,
+    stop: Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable).")] = None,
+    kv_bits: KvBitsOpt = None,
+    kv_group_size: KvGroupOpt = None,
+    quantized_kv_start: KvStartOpt = None,
+    kv_config: KvConfigOpt = None,
+    max_kv_size: MaxKvOpt = None,
+    kv_keep: KeepOpt = None,
+    profile: ProfileOpt = None,
+    prefill_chunk: Annotated[int, typer.Option(help="Prompt tokens per forward pass.")] = 512,
+    json_out: JsonOpt = False,
+    verbose: VerboseOpt = False,
+):
+    """Generate text with a compressed KV cache."""
+    job = GenerateJob(
+        prompts=[read_prompt(prompt_arg, prompt, prompt_file)],
+        model=model, dtype=dtype, system=system_prompt, chat_template=not no_chat_template,
+        max_tokens=max_tokens, stop=tuple(stop or ()),
+        sampling=SamplingConfig(temp, top_p, min_p, seed),
+        kv=KVOptions(kv_bits, kv_group_size, quantized_kv_start, str(kv_config) if kv_config else None,
+                     max_kv_size, kv_keep, profile),
+        prefill_chunk=prefill_chunk,
+    )
+    result = run_generate(job, on_text=None if json_out else output.stream_text, on_notice=output.notice)
+    if json_out:
+        for c in result.completions:
+            output.json_line(c.to_json())
+        output.json_line(result.summary)
+        return
+    output.stream_text("\n")
+    if verbose:
+        output.plan_table(result.summary["plan"])
+    output.stats_line(result.completions[-1], result.summary)

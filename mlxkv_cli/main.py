@@ -1,0 +1,65 @@
+"""mlxkv: the table of contents of the command line."""
+
+from __future__ import annotations
+
+import sys
+
+
+def _check_backend() -> None:
+    try:
+        import mlx.core  # noqa: F401
+    except ImportError as e:
+        print(
+            "error: MLX has no backend here (" + str(e).splitlines()[0] + "); on Linux install an extra: "
+            "pip install 'mlxkv[cpu]' (CPU) or 'mlxkv[cuda]' (NVIDIA CUDA 13)",
+            file=sys.stderr,
+        )
+        sys.exit(1)
+
+
+def build_app():
+    import typer
+
+    from kvcore import __version__
+
+    from .errors import MlxkvGroup
+    from .generate import generate
+
+    app = typer.Typer(cls=MlxkvGroup, no_args_is_help=True, add_completion=False,
+                      pretty_exceptions_enable=False, help="Run MLX language models with compressed KV caches.")
+
+    def version_callback(value: bool):
+        if value:
+            import mlx.core as mx
+            import mlx_lm
+
+            print(f"mlxkv {__version__} (mlx {mx.__version__}, mlx-lm {mlx_lm.__version__})")
+            raise typer.Exit()
+
+    @app.callback()
+    def root(version: bool = typer.Option(False, "--version", callback=version_callback, is_eager=True,
+                                          help="Show versions and exit.")):
+        pass
+
+    app.command("generate")(generate)
+    _optional_commands(app)
+    return app
+
+
+def _optional_commands(app) -> None:
+    try:
+        from .convert_model import convert_model
+    except ImportError:
+        return
+    app.command("convert-model")(convert_model)
+
+
+def main() -> None:
+    _check_backend()
+    build_app()()
+
+
+def __getattr__(name):  # `from mlxkv_cli.main import app` for CliRunner
+    if name == "app":
+        return build_app()
+    raise AttributeError(name)

@@ -1,0 +1,20 @@
+"""Shared option aliases (one definition per flag, reused by every command)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="Local folder, .gguf file, or a repo id in the local Hugging Face cache. Default: the embedded stories260K model.")]
+DtypeOpt = Annotated[Optional[str], typer.Option(help="Activation/KV dtype: float32, float16 or bfloat16 (default: the model's).")]
+KvBitsOpt = Annotated[Optional[int], typer.Option(help="Quantize KV to this many bits (2,3,4,5,6,8), affine codec.")]
+KvGroupOpt = Annotated[Optional[int], typer.Option(help="Quantization group size (32, 64, 128). Default 64.")]
+KvStartOpt = Annotated[Optional[int], typer.Option(help="Keep the first N tokens full precision, then convert (default 5000 with --kv-bits as in mlx-lm, 0 with --kv-config).")]
+KvConfigOpt = Annotated[Optional[Path], typer.Option(help="optiq-style kv_config.json: per-layer bits/group_size; unlisted layers stay full.")]
+MaxKvOpt = Annotated[Optional[int], typer.Option(help="Sliding window for every full-attention layer (tokens kept, incl. --kv-keep).")]
+KeepOpt = Annotated[Optional[int], typer.Option("--kv-keep", help="With --max-kv-size: initial tokens always kept (attention sink). Default 4.")]
+ProfileOpt = Annotated[Optional[str], typer.Option(help="KV preset: a name in profiles/ (full, q8, q4, q4-delayed) or a .toml path. Flags override it.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="JSON Lines on stdout: one object per completion, then a summary.")]
+VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Show the per-layer KV plan.")]

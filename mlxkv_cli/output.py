@@ -1,0 +1,47 @@
+"""Rendering: streamed text, the stats line, JSON Lines, the per-layer plan table."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def json_line(obj: dict) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def stream_text(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def notice(message: str) -> None:
+    err.print(f"[yellow]note:[/yellow] {message}")
+
+
+def stats_line(c, summary: dict) -> None:
+    bpe = summary["bits_per_element"]
+    err.print(
+        f"prompt: {c.prompt_tokens} tokens, {c.prompt_tps:.1f} tok/s | "
+        f"generation: {len(c.token_ids)} tokens, {c.gen_tps:.1f} tok/s | "
+        f"peak memory {summary['peak_memory_bytes'] / 2**20:.1f} MiB | "
+        f"KV {summary['kv_bytes'] / 2**10:.1f} KiB"
+        + (f" ({bpe:.2f} bits/element)" if bpe else "")
+        + f" | {summary['backend']} | attention: {summary['attention_path']}"
+    )
+
+
+def plan_table(plan: list[dict]) -> None:
+    t = Table(title="KV plan", show_lines=False)
+    for col in ("layer", "kind", "codec", "bits", "group", "start", "window", "keep"):
+        t.add_column(col)
+    for p in plan:
+        t.add_row(*(str(p[k] if p[k] is not None else "-") for k in
+                    ("layer", "kind", "codec", "bits", "group_size", "start", "window", "keep")))
+    err.print(t)
