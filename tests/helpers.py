@@ -1,0 +1,41 @@
+"""Small helpers shared by tests: run our engine, run mlx-lm, measure greedy margins."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+
+from kvcore.attention import attention_context
+from kvcore.engine import GenerateConfig, Request, generate_one
+from kvcore.fidelity import teacher_forced_logprobs
+from kvcore.policy import KVOptions, build_caches, resolve_policy
+
+PROMPT = "Once upon a time there was a little girl. She liked to play with her big red ball in the park."
+
+
+def ours(model, tok, ids, n, opts: KVOptions = KVOptions(), chunk: int = 512):
+    """(tokens, AttentionStats) of a greedy run with mlxkv's engine under `opts`."""
+    policy = resolve_policy(opts)
+    caches, _ = build_caches(model, policy)
+    with attention_context(model, required=policy.compresses) as stats:
+        c = generate_one(model, tok, Request(tuple(ids), n), caches, GenerateConfig(prefill_chunk=chunk))
+    return c.token_ids, stats
+
+
+def mlx_lm_greedy(model, ids, n, prompt_cache=None):
+    """(tokens, min top-1 margin) from mlx-lm's own generate_step."""
+    toks, margin = [], float("inf")
+    for tok, logprobs in generate_step(mx.array(ids), model, max_tokens=n, prompt_cache=prompt_cache):
+        top2 = mx.sort(logprobs)[-2:]
+        margin = min(margin, (top2[1] - top2[0]).item())
+        toks.append(int(tok))
+    return toks, margin
+
+
+def margin_under(model, ids, generated, opts: KVOptions, chunk: int = 64) -> float:
+    """Min top-1 margin over the generated positions, teacher-forced through `opts`' caches."""
+    caches, _ = build_caches(model, resolve_policy(opts))
+    lp = teacher_forced_logprobs(model, list(ids) + list(generated), caches, chunk)
+    steps = lp[len(ids) - 1 : len(ids) - 1 + len(generated)]
+    top2 = mx.sort(steps, axis=-1)[:, -2:]
+    return (top2[:, 1] - top2[:, 0]).min().item()

@@ -1,0 +1,69 @@
+"""Generation through mlxkv's engine and caches on every model family."""
+
+import pytest
+from mlx_lm import load
+from mlx_lm.models.cache import RotatingKVCache
+
+from fixtures.tiny_models import FAMILIES, MIN_MARGIN
+from helpers import PROMPT, margin_under, mlx_lm_greedy, ours
+from kvcore.policy import KVOptions
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_models):
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            model, tok = load(str(tiny_models(family)))
+            cache[family] = (model, tok, tok.encode(PROMPT))
+        return cache[family]
+
+    return get
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bits_off_equals_mlx_lm(loaded, family):
+    model, tok, ids = loaded(family)
+    ref, margin = mlx_lm_greedy(model, ids, 24)
+    assert margin >= MIN_MARGIN
+    got, stats = ours(model, tok, ids, 24)
+    assert got == ref[: len(got)] and len(got) >= 8
+    assert stats.compressed_calls == 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("bits,group", [(8, 32), (4, 64)])
+def test_compressed_runs_through_the_hook_and_is_chunk_invariant(loaded, family, bits, group):
+    """Prefill chunk size never changes the tokens, with a start inside the prompt."""
+    model, tok, ids = loaded(family)
+    opts = KVOptions(kv_bits=bits, kv_group_size=group, quantized_kv_start=11)
+    base, stats = ours(model, tok, ids, 16, opts, chunk=512)
+    assert stats.compressed_calls > 0  # the hook really ran
+    assert margin_under(model, ids, base, opts) >= MIN_MARGIN
+    for chunk in (3, 8, 37):
+        assert ours(model, tok, ids, 16, opts, chunk=chunk)[0] == base
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_sliding_window_bits_off_equals_mlx_lm_rotating(loaded, family):
+    """Past several wraps (and past a drop of old tokens), same tokens as mlx-lm's RotatingKVCache."""
+    model, tok, ids = loaded(family)
+    ids = ids[:8]
+    window, keep, n = 12, 2, 150
+    layers = len(model.layers)
+    ref, margin = mlx_lm_greedy(model, ids, n, [RotatingKVCache(max_size=window, keep=keep) for _ in range(layers)])
+    assert margin >= MIN_MARGIN
+    got, stats = ours(model, tok, ids, n, KVOptions(max_kv_size=window, keep=keep))
+    assert stats.compressed_calls > 0
+    assert got == ref[: len(got)] and len(got) > 3 * window
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_sliding_window_compressed_past_wraps(loaded, bits):
+    """Compressed window: runs past wraps, stays bounded in memory, chunk-invariant."""
+    model, tok, ids = loaded("gemma3")  # window 16 on sliding layers, global layers between
+    opts = KVOptions(kv_bits=bits, kv_group_size=32, quantized_kv_start=0)
+    base, _ = ours(model, tok, ids, 60, opts, chunk=512)
+    assert len(base) >= 40
+    assert ours(model, tok, ids, 60, opts, chunk=5)[0] == base
