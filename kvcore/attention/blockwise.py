@@ -82,3 +82,19 @@ def reference_attention(q, keys, values, scale, mask=None, sinks=None):
     else:
         w = mx.softmax(s, axis=-1)
     return (w @ v).astype(q.dtype)
+
+
+def batch_kv_attention(q: mx.array, view, scale: float, sinks: mx.array | None = None) -> mx.array:
+    """q: (B, Hq, N, D) over a BatchKVView: each row attends over its own stored tokens."""
+    B, Hq, N, _ = q.shape
+    Dv = next(v.value_dim for v in view.rows if v is not None)
+    outs = []
+    for b, (v, skip) in enumerate(zip(view.rows, view.skips)):
+        if v is None:
+            outs.append(mx.zeros((1, Hq, N, Dv), dtype=q.dtype))
+            continue
+        o = kv_attention(q[b : b + 1, :, skip:], v, scale, sinks)
+        if skip:
+            o = mx.concatenate([mx.zeros((1, Hq, skip, Dv), dtype=o.dtype), o], axis=2)
+        outs.append(o)
+    return mx.concatenate(outs, axis=0) if B > 1 else outs[0]

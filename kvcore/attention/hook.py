@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import mlx.nn as nn
 from mlx_lm.models import base as mlx_base
 
-from ..cache.view import KVView
+from ..cache.view import BatchKVView, KVView
 from ..errors import MlxkvError
-from .blockwise import kv_attention
+from .blockwise import batch_kv_attention, kv_attention
 
 _ORIGINAL = mlx_base.scaled_dot_product_attention
 _ACTIVE: list["AttentionStats"] = []  # innermost context last
@@ -40,6 +40,9 @@ def _sdpa(queries, keys, values, cache, scale, mask, sinks=None):
     if isinstance(keys, KVView):
         stats.compressed_calls += 1
         return kv_attention(queries, keys, scale, sinks)
+    if isinstance(keys, BatchKVView):
+        stats.compressed_calls += 1
+        return batch_kv_attention(queries, keys, scale, sinks)
     stats.dense_calls += 1
     return _ORIGINAL(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
 

@@ -1,4 +1,5 @@
+from .batch import BatchCompressedKVCache
 from .compressed import CompressedKVCache
-from .view import KVView, Segment
+from .view import BatchKVView, KVView, Segment
 
-__all__ = ["CompressedKVCache", "KVView", "Segment"]
+__all__ = ["BatchCompressedKVCache", "BatchKVView", "CompressedKVCache", "KVView", "Segment"]

@@ -227,3 +227,10 @@ class CompressedKVCache(_BaseCache):
             "start": self.start,
             "converted": self.converted,
         }
+
+    @classmethod
+    def merge(cls, caches: list):
+        """Rows -> one batch cache (mlx-lm's batch protocol)."""
+        from .batch import BatchCompressedKVCache
+
+        return BatchCompressedKVCache.merge(caches)

@@ -82,3 +82,22 @@ class KVView:
 
     def all_dense(self) -> bool:
         return all(s.kind == DENSE for s in self.segments)
+
+
+@dataclass
+class BatchKVView:
+    """One KVView per row (None where a row's update was all padding).
+
+    Row b's queries are columns [skips[b], n_columns) of the update; the padding columns
+    before them get zeros from attention.
+    """
+
+    rows: list
+    skips: list[int]
+    n_columns: int
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        live = [v for v in self.rows if v is not None]
+        B, H, _, D = live[0].shape
+        return (len(self.rows), H, max(v.shape[2] for v in live), D)

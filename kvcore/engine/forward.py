@@ -11,13 +11,20 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import CompressedKVCache
+from ..cache import BatchCompressedKVCache, CompressedKVCache
 
 DEFAULT_PREFILL_CHUNK = 512
 
 
 def compressed(caches: list) -> list[CompressedKVCache]:
-    return [c for c in caches if isinstance(c, CompressedKVCache)]
+    """Every CompressedKVCache, batch rows included (conversion is row-local)."""
+    out = []
+    for c in caches:
+        if isinstance(c, BatchCompressedKVCache):
+            out.extend(c.rows)
+        elif isinstance(c, CompressedKVCache):
+            out.append(c)
+    return out
 
 
 def convert_due(caches: list) -> int:
@@ -50,19 +57,27 @@ def forward(model: nn.Module, tokens: mx.array, caches: list) -> mx.array:
     return model(tokens, cache=caches)
 
 
+def prefill_chunk(model: nn.Module, tokens: list[int], caches: list, done: int,
+                  chunk: int = DEFAULT_PREFILL_CHUNK) -> tuple[int, mx.array]:
+    """Feed one chunk of `tokens` from index `done`; returns (new done, logits (1, n, vocab)).
+
+    The chunk ends early at a conversion start so the conversion position is exact.
+    """
+    pos = cache_offset(caches)
+    end = min(done + chunk, len(tokens))
+    b = next_boundary(caches, pos)
+    if b is not None and b < pos + end - done:
+        end = done + b - pos
+    return end, forward(model, mx.array(tokens[done:end])[None], caches)
+
+
 def prefill(model: nn.Module, tokens: list[int], caches: list, chunk: int = DEFAULT_PREFILL_CHUNK) -> mx.array:
     """Feed all of `tokens`; returns the last position's logits (1, vocab)."""
     if not tokens:
         raise ValueError("prefill needs at least one token")
-    pos0 = cache_offset(caches)
-    i, logits = 0, None
-    while i < len(tokens):
-        end = min(i + chunk, len(tokens))
-        b = next_boundary(caches, pos0 + i)
-        if b is not None and b < pos0 + end:
-            end = b - pos0
-        logits = forward(model, mx.array(tokens[i:end])[None], caches)
-        i = end
-        if i < len(tokens):
-            mx.eval([c.state for c in caches])
-    return logits[:, -1, :]
+    done = 0
+    while True:
+        done, logits = prefill_chunk(model, tokens, caches, done, chunk)
+        if done == len(tokens):
+            return logits[:, -1, :]
+        mx.eval([c.state for c in caches])

@@ -1,0 +1,40 @@
+"""Admission memory: what a row's KV will cost at its final compressed size, and the budget."""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+
+from ..codecs import CodecSpec
+
+
+def _bytes_per_element(spec: CodecSpec, dtype_size: int) -> float:
+    if not spec.compresses:
+        return dtype_size
+    return ((spec.bits or 8) + 32 / (spec.group_size or 64)) / 8
+
+
+def row_kv_bytes(config: dict, plans: list, tokens: int, dtype_size: int = 2) -> int:
+    """KV bytes of one row holding `tokens` tokens under the per-layer plan."""
+    cfg = config.get("text_config", config)
+    heads = cfg.get("num_attention_heads", 1)
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    head_dim = cfg.get("head_dim") or cfg.get("hidden_size", 0) // max(heads, 1)
+    total = 0.0
+    for p in plans:
+        if p.kind == "other":
+            continue
+        t = min(tokens, p.window) if p.window else tokens
+        total += t * kv_heads * head_dim * 2 * _bytes_per_element(p.codec, dtype_size)
+    return int(total)
+
+
+def default_kv_budget() -> int:
+    """The GPU's recommended working set, or half of RAM on CPU."""
+    if mx.default_device() != mx.cpu:
+        info = mx.device_info()
+        if "max_recommended_working_set_size" in info:
+            return int(info["max_recommended_working_set_size"])
+        return int(info.get("memory_size", 0) * 0.8)
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2)
