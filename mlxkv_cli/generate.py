@@ -10,17 +10,22 @@ import typer
 from kvcore.engine import SamplingConfig
 from kvcore.policy import KVOptions
 from kvcore.run import GenerateJob, run_generate
+from kvcore.run_batch import BatchOptions, run_batch
+from kvcore.units import parse_bytes
 
 from . import output
 from .options import (DtypeOpt, JsonOpt, KeepOpt, KvBitsOpt, KvConfigOpt, KvGroupOpt, KvStartOpt, MaxKvOpt,
                       ModelOpt, ProfileOpt, VerboseOpt)
-from .prompts import read_prompt
+from .prompts import read_prompts
 
 
 def generate(
     prompt_arg: Annotated[Optional[str], typer.Argument(metavar="PROMPT", help="The prompt ('-' reads stdin).")] = None,
-    prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="The prompt ('-' reads stdin).")] = None,
+    prompt: Annotated[Optional[list[str]], typer.Option("--prompt", "-p", help="A prompt ('-' reads stdin); repeat for a batch.")] = None,
     prompt_file: Annotated[Optional[Path], typer.Option(help="Read the prompt from a file ('-' for stdin).")] = None,
+    prompts_file: Annotated[Optional[Path], typer.Option(help="Many prompts: JSON Lines {\"prompt\", \"max_tokens\", \"id\"} or one prompt a line.")] = None,
+    batch_size: Annotated[int, typer.Option(help="Most rows decoding together (continuous batching).")] = 8,
+    max_kv_bytes: Annotated[Optional[str], typer.Option(help="KV budget for admitting rows, e.g. 2GB (default: the GPU's working set or half of RAM).")] = None,
     model: ModelOpt = None,
     dtype: DtypeOpt = None,
     system_prompt: Annotated[Optional[str], typer.Option(help="System message (chat template), else prepended.")] = None,
@@ -44,7 +49,7 @@ def generate(
 ):
     """Generate text with a compressed KV cache."""
     job = GenerateJob(
-        prompts=[read_prompt(prompt_arg, prompt, prompt_file)],
+        prompts=[],
         model=model, dtype=dtype, system=system_prompt, chat_template=not no_chat_template,
         max_tokens=max_tokens, stop=tuple(stop or ()),
         sampling=SamplingConfig(temp, top_p, min_p, seed),
@@ -52,6 +57,17 @@ def generate(
                      max_kv_size, kv_keep, profile),
         prefill_chunk=prefill_chunk,
     )
+    specs = read_prompts(prompt_arg, prompt, prompt_file, prompts_file)
+    if len(specs) > 1 or prompts_file is not None:
+        opts = BatchOptions(batch_size, parse_bytes(max_kv_bytes, "--max-kv-bytes") if max_kv_bytes else None)
+        on_finish = output.json_completion if json_out else output.labelled_completion
+        result = run_batch(job, specs, opts, on_finish=on_finish, on_notice=output.notice)
+        if json_out:
+            output.json_line(result.summary)
+        else:
+            output.batch_stats_line(result.summary)
+        return
+    job.prompts = [specs[0].prompt]
     result = run_generate(job, on_text=None if json_out else output.stream_text, on_notice=output.notice)
     if json_out:
         for c in result.completions:

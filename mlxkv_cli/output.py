@@ -25,6 +25,25 @@ def notice(message: str) -> None:
     err.print(f"[yellow]note:[/yellow] {message}")
 
 
+def json_completion(c) -> None:
+    json_line(c.to_json())
+
+
+def labelled_completion(c) -> None:
+    stream_text(f"── {c.id} ({len(c.token_ids)} tokens, {c.finish_reason})\n{c.text}\n")
+
+
+def batch_stats_line(s: dict) -> None:
+    bpe = s["bits_per_element"]
+    err.print(
+        f"rows: {s['rows']} (batch {s['batch_size']}) | prompt tokens {s['prompt_tokens']} | "
+        f"generated {s['generated_tokens']} tokens, {s['aggregate_tps']:.1f} tok/s aggregate | "
+        f"peak memory {s['peak_memory_bytes'] / 2**20:.1f} MiB | peak KV {(s['kv_bytes'] or 0) / 2**10:.1f} KiB"
+        + (f" ({bpe:.2f} bits/element)" if bpe else "")
+        + f" | {s['backend']} | attention: {s['attention_path']}"
+    )
+
+
 def stats_line(c, summary: dict) -> None:
     bpe = summary["bits_per_element"]
     err.print(

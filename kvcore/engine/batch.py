@@ -20,8 +20,10 @@ import mlx.nn as nn
 
 from ..errors import MlxkvError
 from ..policy import KVPolicy, build_caches
+from ..units import format_bytes
 from .forward import forward, prefill_chunk
 from .generate import Completion, GenerateConfig, Request
+from .stats import kv_summary
 from .stops import StopMatcher
 
 
@@ -56,6 +58,7 @@ class BatchEngine:
         self.running: list[Row] = []  # rows whose caches are merged into self.caches, in order
         self.done: dict[str, Completion] = {}
         self.reserved = 0
+        self.peak_kv: dict = {}  # kv_summary of the running caches when they held the most
 
     # -- public ---------------------------------------------------------------
     def run(self, requests: list[Request]) -> list[Completion]:
@@ -85,8 +88,8 @@ class BatchEngine:
             need = self.row_bytes(r)
             if need > self.kv_budget:
                 raise MlxkvError(
-                    f"row {r.id} can never fit: its KV needs {need / 2**20:.1f} MiB at its final size, "
-                    f"the budget (--max-kv-bytes) is {self.kv_budget / 2**20:.1f} MiB"
+                    f"row {r.id} can never fit: its KV needs {format_bytes(need)} at its final size, "
+                    f"the budget (--max-kv-bytes) is {format_bytes(self.kv_budget)}"
                 )
 
     def _admit(self, waiting: deque) -> Row | None:
@@ -141,6 +144,9 @@ class BatchEngine:
         self.trace.append(("decode", tuple(r.request.id for r in self.running)))
         for row, tok in zip(self.running, toks):
             self._emit(row, tok)
+        kv = kv_summary(self.caches)
+        if kv["kv_bytes"] >= self.peak_kv.get("kv_bytes", 0):
+            self.peak_kv = kv
 
     def _sample(self, logits: mx.array) -> mx.array:
         return self.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))

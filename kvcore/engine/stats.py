@@ -4,23 +4,23 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..cache import CompressedKVCache
+from ..cache import BatchCompressedKVCache, CompressedKVCache
 
 
 def _elements(c) -> int:
-    if isinstance(c, CompressedKVCache):
+    """Logical K+V elements stored by one layer's cache (0 for non-attention state)."""
+    if isinstance(c, (CompressedKVCache, BatchCompressedKVCache)):
         return c.elements
     keys = getattr(c, "keys", None)
-    if keys is None or isinstance(keys, (tuple, list)) or not hasattr(c, "offset"):
+    if not isinstance(keys, mx.array) or not hasattr(c, "size"):
         return 0
     B, H, _, D = keys.shape
-    tokens = c.size() if hasattr(c, "size") and c.size() else min(c.offset, keys.shape[2])
-    return tokens * B * H * (D + c.values.shape[-1])
+    return int(c.size()) * B * H * (D + c.values.shape[-1])
 
 
 def _used_bytes(c) -> int:
     """Bytes of stored tokens (mlx-lm's caches preallocate in steps of 256; spare not counted)."""
-    if isinstance(c, CompressedKVCache):
+    if isinstance(c, (CompressedKVCache, BatchCompressedKVCache)):
         return c.nbytes
     keys = getattr(c, "keys", None)
     if _elements(c) and isinstance(keys, mx.array):

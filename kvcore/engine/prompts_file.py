@@ -1,0 +1,59 @@
+"""--prompts-file: JSON Lines (`{"prompt": ..., "max_tokens": ..., "id": ...}`) or plain text
+(one prompt a line). Validated whole before anything is generated."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import MlxkvError
+
+
+@dataclass(frozen=True)
+class PromptSpec:
+    prompt: str
+    id: str
+    max_tokens: int | None = None  # None: the run's --max-tokens
+
+
+def _from_json(path: Path, n: int, line: str) -> PromptSpec:
+    where = f"prompts file {path.name} line {n}"
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise MlxkvError(f"{where}: not valid JSON ({e.msg})")
+    if not isinstance(obj, dict):
+        raise MlxkvError(f"{where}: expected a JSON object")
+    unknown = set(obj) - {"prompt", "max_tokens", "id"}
+    if unknown:
+        raise MlxkvError(f"{where}: unknown key {sorted(unknown)[0]!r}")
+    if not isinstance(obj.get("prompt"), str) or not obj["prompt"]:
+        raise MlxkvError(f"{where}: missing or empty \"prompt\" (a string)")
+    mt = obj.get("max_tokens")
+    if mt is not None and (isinstance(mt, bool) or not isinstance(mt, int) or mt < 0):
+        raise MlxkvError(f"{where}: max_tokens must be a non-negative integer, got {mt!r}")
+    rid = obj.get("id", str(n))
+    if not isinstance(rid, (str, int)) or isinstance(rid, bool):
+        raise MlxkvError(f"{where}: id must be a string or integer")
+    return PromptSpec(obj["prompt"], str(rid), mt)
+
+
+def load_prompts_file(path: str | Path) -> list[PromptSpec]:
+    path = Path(path)
+    if not path.is_file():
+        raise MlxkvError(f"prompts file not found: {path}")
+    try:
+        lines = path.read_text().splitlines()
+    except UnicodeDecodeError:
+        raise MlxkvError(f"prompts file is not UTF-8 text: {path}")
+    numbered = [(n, line) for n, line in enumerate(lines, 1) if line.strip()]
+    if not numbered:
+        raise MlxkvError(f"prompts file {path.name} has no prompts")
+    as_json = numbered[0][1].lstrip().startswith("{")
+    specs = [_from_json(path, n, line) if as_json else PromptSpec(line, str(n)) for n, line in numbered]
+    ids = [s.id for s in specs]
+    dup = next((i for i in ids if ids.count(i) > 1), None)
+    if dup is not None:
+        raise MlxkvError(f"prompts file {path.name}: id {dup!r} appears more than once")
+    return specs

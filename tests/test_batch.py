@@ -1,0 +1,223 @@
+"""Batched and continuous generation: every row equals the same prompt generated alone."""
+
+import json
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+
+from fixtures.tiny_models import FAMILIES, MIN_MARGIN
+from helpers import margin_under, mlx_lm_greedy
+from kvcore.attention import attention_context
+from kvcore.cache import BatchCompressedKVCache, CompressedKVCache
+from kvcore.codecs import CodecSpec
+from kvcore.engine import GenerateConfig, Request, generate_one
+from kvcore.engine.batch import BatchEngine
+from kvcore.errors import MlxkvError
+from kvcore.engine.prompts_file import load_prompts_file
+from kvcore.policy import KVOptions, build_caches, resolve_policy
+
+PROMPTS = [
+    "Once upon a time there was a little girl named Lily.",
+    "The dog",
+    "She liked to play with her big red ball in the park every day. One day",
+    "Tom",
+]
+CHUNK = 8
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_models):
+    memo = {}
+
+    def get(family):
+        if family not in memo:
+            model, tok = load(str(tiny_models(family)))
+            reqs = [Request(tuple(tok.encode(p)), 14 + 4 * i, str(i)) for i, p in enumerate(PROMPTS)]
+            memo[family] = (model, tok, reqs)
+        return memo[family]
+
+    return get
+
+
+def alone_and_batched(model, tok, reqs, opts, batch_size):
+    policy = resolve_policy(opts)
+    cfg = GenerateConfig(prefill_chunk=CHUNK)
+    with attention_context(model, required=policy.compresses):
+        alone = [generate_one(model, tok, r, build_caches(model, policy)[0], cfg).token_ids for r in reqs]
+        engine = BatchEngine(model, tok, policy, batch_size, cfg)
+        batched = [c.token_ids for c in engine.run(reqs)]
+    return alone, batched, engine
+
+
+KINDS = {
+    "full": KVOptions(),
+    "affine8-start0": KVOptions(kv_bits=8, kv_group_size=32, quantized_kv_start=0),
+    "affine4": KVOptions(kv_bits=4, kv_group_size=64, quantized_kv_start=0),
+    # start 13: the long prompts cross it in prefill, "Tom" and "The dog" only while decoding
+    "affine4-delayed": KVOptions(kv_bits=4, kv_group_size=32, quantized_kv_start=13),
+    "window": KVOptions(max_kv_size=10, keep=2),
+    "window-affine8": KVOptions(kv_bits=8, kv_group_size=32, quantized_kv_start=0, max_kv_size=10, keep=2),
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_batched_rows_equal_alone(loaded, family, kind):
+    model, tok, reqs = loaded(family)
+    alone, batched, engine = alone_and_batched(model, tok, reqs, KINDS[kind], batch_size=4)
+    assert batched == alone
+    assert max(len(t[1]) for t in engine.trace if t[0] == "decode") >= 3  # rows really shared steps
+
+
+def test_margins_of_the_compared_runs(loaded):
+    model, tok, reqs = loaded("llama")
+    for opts in (KINDS["affine4-delayed"], KINDS["window-affine8"]):
+        policy = resolve_policy(opts)
+        with attention_context(model):
+            for r in reqs:
+                toks = generate_one(model, tok, r, build_caches(model, policy)[0]).token_ids
+                assert margin_under(model, r.prompt_ids, toks, opts) >= MIN_MARGIN
+
+
+def test_rows_cross_the_start_at_their_own_position(loaded):
+    model, tok, reqs = loaded("llama")
+    policy = resolve_policy(KINDS["affine4-delayed"])
+    engine = BatchEngine(model, tok, policy, 4, GenerateConfig(prefill_chunk=CHUNK))
+    seen = {}
+    orig = engine._decode_step
+
+    def spy():
+        if engine.caches is not None and engine.running:
+            rows = engine.caches[0].rows
+            seen.setdefault("mixed", False)
+            conv = [r.converted for r in rows]
+            if any(conv) and not all(conv):
+                seen["mixed"] = True
+                for r in rows:  # row-local: converted right before its own query at position 13
+                    assert r.converted == (r.offset > 13)
+                    assert r.pending_conversion == (r.offset == 13)
+        orig()
+
+    engine._decode_step = spy
+    with attention_context(model):
+        engine.run(reqs)
+    assert seen["mixed"]
+
+
+def test_continuous_batching_joins_and_leaves(loaded):
+    """batch size 2 with 4 rows: rows join mid-decode and leave when done; same tokens."""
+    model, tok, reqs = loaded("gemma3")
+    alone, batched, engine = alone_and_batched(model, tok, reqs, KINDS["affine8-start0"], batch_size=2)
+    assert batched == alone
+    decodes = [t[1] for t in engine.trace if t[0] == "decode"]
+    assert max(len(d) for d in decodes) == 2
+    assert any(set(a) != set(b) for a, b in zip(decodes, decodes[1:]))  # membership changed
+    # at most one prefill chunk between two decode steps once decoding has begun
+    first = next(i for i, t in enumerate(engine.trace) if t[0] == "decode")
+    run = 0
+    for t in engine.trace[first:]:
+        run = run + 1 if t[0] == "prefill" else 0
+        assert run <= 1
+        assert t[0] != "prefill" or t[2] <= CHUNK
+
+
+def test_batch_protocol_round_trips_exactly():
+    mx.random.seed(0)
+    rows = []
+    for n in (5, 40, 70):
+        c = CompressedKVCache(CodecSpec("affine", 4, 32), start=0, window=48, keep=2)
+        c.update_and_fetch(mx.random.normal((1, 2, n, 8)), mx.random.normal((1, 2, n, 8)))
+        rows.append(c)
+    before = [tuple(mx.array(a) for a in r.state) for r in rows]
+    batch = CompressedKVCache.merge(rows[:2])
+    batch.extend(BatchCompressedKVCache.merge([rows[2]]))
+    assert [int(o) for o in batch.offset.tolist()] == [5, 40, 70]
+    batch.filter(mx.array([2, 0]))
+    assert batch.extract(0) is rows[2] and batch.extract(1) is rows[0]
+    for r, b in zip(rows, before):
+        assert all(mx.array_equal(x, y) for x, y in zip(r.state, b))
+    assert batch.trim_rows([3, 1]) == [3, 1]
+    assert [int(o) for o in batch.offset.tolist()] == [67, 4]
+
+
+def test_left_padded_prefill_drops_padding(loaded):
+    """mlx-lm style left-padded input: the padding columns are never stored."""
+    model, tok, reqs = loaded("llama")
+    policy = resolve_policy(KINDS["affine4"])
+    a, b = list(reqs[0].prompt_ids), list(reqs[3].prompt_ids)
+    pad = len(a) - len(b)
+    caches = [BatchCompressedKVCache([r]) for r in build_caches(model, policy)[0]]
+    for c, c2 in zip(caches, build_caches(model, policy)[0]):
+        c.extend(BatchCompressedKVCache([c2]))
+        c.prepare(left_padding=[0, pad])
+    with attention_context(model):
+        logits = model(mx.array([a, [0] * pad + b]), cache=caches)
+        for c in caches:
+            c.finalize()
+        alone_caches = build_caches(model, policy)[0]
+        ref = model(mx.array([b]), cache=alone_caches)
+    assert caches[0].rows[1].offset == len(b)
+    assert mx.allclose(logits[1, -1], ref[0, -1], atol=1e-4).item()
+
+
+def test_a_row_that_can_never_fit_is_rejected(loaded):
+    model, tok, reqs = loaded("llama")
+    engine = BatchEngine(model, tok, resolve_policy(KVOptions()), 2, kv_budget=1000, row_bytes=lambda r: 2000)
+    with pytest.raises(MlxkvError, match="can never fit"):
+        engine.run(reqs)
+
+
+def test_rows_wait_for_budget(loaded):
+    model, tok, reqs = loaded("llama")
+    policy = resolve_policy(KVOptions())
+    engine = BatchEngine(model, tok, policy, 4, GenerateConfig(prefill_chunk=CHUNK), kv_budget=2500,
+                         row_bytes=lambda r: 1000)
+    out = engine.run(reqs)
+    assert max(len(t[1]) for t in engine.trace if t[0] == "decode") == 2  # budget, not batch size
+    assert [c.token_ids for c in out] == [c.token_ids for c in BatchEngine(model, tok, policy, 4).run(reqs)]
+
+
+@pytest.mark.parametrize("text,message", [
+    ('{"prompt": "a"}\n{bad json\n', "line 2: not valid JSON"),
+    ('{"max_tokens": 3}\n', "line 1: missing or empty \"prompt\""),
+    ('{"prompt": "a", "max_tokens": -2}\n', "line 1: max_tokens must be a non-negative integer"),
+    ('{"prompt": "a", "max_tokens": "5"}\n', "line 1: max_tokens must be a non-negative integer"),
+    ('{"prompt": "a", "id": 1}\n{"prompt": "b", "id": "1"}\n', "appears more than once"),
+    ('{"prompt": "a", "colour": 1}\n', "unknown key 'colour'"),
+    ("\n\n", "has no prompts"),
+])
+def test_malformed_prompts_file(tmp_path, text, message):
+    p = tmp_path / "prompts.jsonl"
+    p.write_text(text)
+    with pytest.raises(MlxkvError, match=message):
+        load_prompts_file(p)
+
+
+def test_plain_text_prompts_file(tmp_path):
+    p = tmp_path / "prompts.txt"
+    p.write_text("first prompt\n\nsecond prompt\n")
+    specs = load_prompts_file(p)
+    assert [(s.prompt, s.id) for s in specs] == [("first prompt", "1"), ("second prompt", "3")]
+
+
+def test_cli_prompts_file_json(tmp_path):
+    from typer.testing import CliRunner
+
+    from mlxkv_cli.main import build_app
+
+    p = tmp_path / "rows.jsonl"
+    p.write_text('{"prompt": "Once upon a time", "max_tokens": 12, "id": "a"}\n{"prompt": "The dog", "id": "b"}\n')
+    r = CliRunner().invoke(build_app(), ["generate", "--prompts-file", str(p), "-n", "6", "--kv-bits", "8",
+                                         "--quantized-kv-start", "0", "--batch-size", "2", "--json"])
+    assert r.exit_code == 0, r.output
+    lines = [json.loads(x) for x in r.stdout.splitlines()]
+    rows = {x["id"]: x for x in lines if x["type"] == "completion"}
+    assert rows["a"]["generated_tokens"] == 12 and rows["b"]["generated_tokens"] == 6
+    s = lines[-1]
+    assert s["type"] == "summary" and s["rows"] == 2 and s["generated_tokens"] == 18
+    assert s["kv_bytes"] > 0 and s["aggregate_tps"] > 0
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a"}\nnot json\n')
+    r = CliRunner().invoke(build_app(), ["generate", "--prompts-file", str(bad)])
+    assert r.exit_code == 1 and "line 2" in r.stderr and not r.stdout
