@@ -7,7 +7,10 @@ import sys
 import traceback
 
 import typer
-from typer._click import exceptions as click_errors  # typer vendors its own click
+try:
+    from typer._click import exceptions as click_errors  # newer typer vendors its own click
+except ImportError:  # pragma: no cover
+    from click import exceptions as click_errors
 from typer.core import TyperGroup
 
 from kvcore.errors import MlxkvError

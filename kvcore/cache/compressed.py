@@ -12,6 +12,8 @@ Honours mlx-lm's cache protocol (`update_and_fetch`, `offset`, `make_mask`, `tri
 
 from __future__ import annotations
 
+import json
+
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
 
@@ -20,6 +22,11 @@ from .buffer import Buffer
 from .view import DENSE, ENCODED, SHADOW, KVView, Segment
 
 TRIM_STEP = 128  # a multiple of every block size, so dropping never splits a block
+_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+def _dtype_name(dtype: mx.Dtype) -> str:
+    return str(dtype).rsplit(".", 1)[-1]
 
 
 class CompressedKVCache(_BaseCache):
@@ -61,6 +68,7 @@ class CompressedKVCache(_BaseCache):
             bt = {c.block_tokens for c in (self.key_codec, self.value_codec) if c}
             if len(bt) > 1:
                 raise ValueError("key and value codecs must use the same block size")
+            self.enc.step = max(1, self.enc.step // self.block_tokens)  # grow by ~256 tokens
 
     @property
     def pending_conversion(self) -> bool:
@@ -154,6 +162,69 @@ class CompressedKVCache(_BaseCache):
     def state(self) -> tuple:
         """Every stored array: sink (k, v), encoded parts, tail (k, v)."""
         return tuple(a for b in (self.sink, self.enc, self.tail) if b.n for a in b.get())
+
+    # -- mlx-lm's state protocol: arrays in `state`, everything else in `meta_state` ----------
+    @state.setter
+    def state(self, v) -> None:
+        self._loaded = tuple(v)
+        if getattr(self, "_counts", None) is not None:
+            self._fill()
+
+    @property
+    def meta_state(self) -> tuple[str]:
+        return (json.dumps(self.layout()),)
+
+    @meta_state.setter
+    def meta_state(self, v) -> None:
+        self.set_layout(json.loads(v[0]))
+        if getattr(self, "_loaded", None) is not None:
+            self._fill()
+
+    @classmethod
+    def from_state(cls, state, meta_state):
+        obj = cls.__new__(cls)
+        obj.meta_state = meta_state
+        obj.state = state
+        return obj
+
+    def layout(self) -> dict:
+        """Every field but the arrays, JSON-friendly: what `meta_state` carries."""
+        dims = None if self._dims is None else list(self._dims[:4])
+        return {
+            "key": self.key_spec.to_json(), "value": self.value_spec.to_json(), "start": self.start,
+            "window": self.window, "keep": self.keep, "offset": self.offset, "converted": self.converted,
+            "enc_start": self.enc_start, "tail_start": self.tail_start,
+            "sink": self.sink.n, "enc": self.enc.n, "tail": self.tail.n,
+            "key_parts": getattr(self, "_n_key_parts", None) if self.enc.n else None,
+            "dims": dims, "dtype": None if self._dims is None else _dtype_name(self._dims[4]),
+        }
+
+    def set_layout(self, m: dict) -> None:
+        """Reset to the (validated) layout `m`; the arrays follow through `state`."""
+        spec = lambda d: CodecSpec(d["codec"], d["bits"], d["group_size"])  # noqa: E731
+        self.__init__(spec(m["key"]), spec(m["value"]), m["start"] or 0, m["window"], m["keep"])
+        self.offset, self.converted = m["offset"], m["converted"]
+        self.enc_start, self.tail_start = m["enc_start"], m["tail_start"]
+        if m["dims"] is not None:
+            B, H, D, Dv = m["dims"]
+            self._dims = (B, H, D, Dv, _DTYPES[m["dtype"]])
+            self.key_codec = make_codec(self.key_spec, D)
+            self.value_codec = make_codec(self.value_spec, Dv)
+        if m["key_parts"] is not None:
+            self._n_key_parts = m["key_parts"]
+        self._counts, self._loaded = (m["sink"], m["enc"], m["tail"]), None
+
+    def _fill(self) -> None:
+        """Hand the loaded arrays (sink k, v | encoded parts | tail k, v) to the buffers."""
+        (n_sink, n_enc, n_tail), parts = self._counts, self._loaded
+        lo, hi = 2 if n_sink else 0, len(parts) - (2 if n_tail else 0)
+        for buf, n, arrays in ((self.sink, n_sink, parts[:lo]), (self.enc, n_enc, parts[lo:hi]),
+                               (self.tail, n_tail, parts[hi:])):
+            if n:
+                buf.set(arrays)
+            if buf.n != n:
+                raise ValueError(f"state holds {buf.n} entries where the layout says {n}")
+        self._counts = self._loaded = None
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         # attention over a KVView builds its mask from token positions; this is for code that

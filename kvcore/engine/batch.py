@@ -45,12 +45,13 @@ class BatchEngine:
     def __init__(self, model: nn.Module, tokenizer, policy: KVPolicy, batch_size: int = 8,
                  config: GenerateConfig = GenerateConfig(), kv_budget: int | None = None,
                  row_bytes: Callable[[Request], int] = lambda r: 0,
-                 on_finish: Callable[[Completion], None] | None = None):
+                 on_finish: Callable[[Completion], None] | None = None, interleave: bool = True):
         if batch_size < 1:
             raise MlxkvError(f"--batch-size must be >= 1, got {batch_size}")
         self.model, self.tokenizer, self.policy = model, tokenizer, policy
         self.batch_size, self.config = batch_size, config
         self.kv_budget, self.row_bytes, self.on_finish = kv_budget, row_bytes, on_finish
+        self.interleave = interleave  # False: admit (prefill) every row that fits before decoding
         self.eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
         self.sampler = config.sampling.sampler()
         self.trace: list[tuple] = []  # ("prefill", id, tokens) | ("decode", ids)
@@ -58,6 +59,8 @@ class BatchEngine:
         self.running: list[Row] = []  # rows whose caches are merged into self.caches, in order
         self.done: dict[str, Completion] = {}
         self.reserved = 0
+        self.decode_time = 0.0  # wall seconds inside decode steps
+        self.decoded = 0  # tokens produced by decode steps
         self.peak_kv: dict = {}  # kv_summary of the running caches when they held the most
 
     # -- public ---------------------------------------------------------------
@@ -70,7 +73,7 @@ class BatchEngine:
             if admitting is not None and self._prefill_step(admitting):
                 self._join(admitting)
                 admitting = None
-            if self.running:
+            if self.running and (self.interleave or admitting is None and not self._can_admit(waiting)):
                 self._decode_step()
             self._drop_finished()
             if admitting is None and not self.running and waiting and not self._fits(waiting[0]):
@@ -78,6 +81,9 @@ class BatchEngine:
         return [self.done[r.id] for r in requests]
 
     # -- admission ------------------------------------------------------------
+    def _can_admit(self, waiting: deque) -> bool:
+        return bool(waiting) and len(self.running) < self.batch_size and self._fits(waiting[0])
+
     def _fits(self, req: Request) -> bool:
         return self.kv_budget is None or self.reserved + self.row_bytes(req) <= self.kv_budget
 
@@ -97,8 +103,9 @@ class BatchEngine:
             return None  # waits until a running row leaves
         req = waiting.popleft()
         caches, _ = build_caches(self.model, self.policy)
-        detok = self.tokenizer.detokenizer
-        detok.reset()
+        detok = self.tokenizer.detokenizer if self.tokenizer is not None else None
+        if detok is not None:
+            detok.reset()
         row = Row(req, caches, Completion(req.id, prompt_tokens=len(req.prompt_ids)), detok,
                   StopMatcher(req.stop), self.row_bytes(req))
         self.reserved += row.reserved
@@ -138,9 +145,12 @@ class BatchEngine:
 
     # -- decode ---------------------------------------------------------------
     def _decode_step(self) -> None:
+        t0 = time.perf_counter()
         y = mx.array([[r.next_token] for r in self.running])  # (B, 1)
         logits = forward(self.model, y, self.caches)[:, -1, :]
         toks = self._sample(logits).tolist()
+        self.decode_time += time.perf_counter() - t0
+        self.decoded += len(toks)
         self.trace.append(("decode", tuple(r.request.id for r in self.running)))
         for row, tok in zip(self.running, toks):
             self._emit(row, tok)
@@ -155,9 +165,11 @@ class BatchEngine:
         if tok in self.eos:
             return self._finish(row, "eos")
         row.out.token_ids.append(tok)
-        row.detok.add_token(tok)
-        text = row.detok.text
-        cut = row.matcher.find(text)
+        cut = None
+        if row.detok is not None:
+            row.detok.add_token(tok)
+            text = row.detok.text
+            cut = row.matcher.find(text)
         if cut is not None:
             row.out.text = text[:cut]
             return self._finish(row, "stop")
@@ -168,7 +180,7 @@ class BatchEngine:
     def _finish(self, row: Row, reason: str) -> None:
         row.out.finish_reason = reason
         row.out.gen_time = time.perf_counter() - row.t_decode if row.t_decode else 0.0
-        if reason != "stop":
+        if reason != "stop" and row.detok is not None:
             row.detok.finalize()
             row.out.text = row.detok.text
         self.done[row.request.id] = row.out

@@ -1,0 +1,53 @@
+"""Named model shapes with random weights: speed and memory without downloading weights.
+
+The output of anything measured on these must say the weights are random.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..errors import MlxkvError
+
+_LLAMA = {"model_type": "llama", "rms_norm_eps": 1e-5, "vocab_size": 32000, "rope_theta": 500000.0,
+          "tie_word_embeddings": False, "max_position_embeddings": 131072}
+SHAPES: dict[str, dict] = {
+    "llama-tiny": {**_LLAMA, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+                   "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1024},
+    "llama-1b": {**_LLAMA, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+                 "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64},
+    "llama-8b": {**_LLAMA, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                 "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128},
+    "qwen3-4b": {"model_type": "qwen3", "hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36,
+                 "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+                 "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 131072,
+                 "tie_word_embeddings": True},
+    "gemma3-12b": {"model_type": "gemma3_text", "hidden_size": 3840, "intermediate_size": 15360,
+                   "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256,
+                   "vocab_size": 262208, "sliding_window": 1024, "sliding_window_pattern": 6,
+                   "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 131072},
+}
+
+
+def shape_names() -> list[str]:
+    return sorted(SHAPES)
+
+
+def build_random_model(name: str, weight_bits: int | None = None, dtype: mx.Dtype = mx.bfloat16) -> tuple[nn.Module, dict]:
+    """An mlx-lm model of the named shape with random weights (quantized to weight_bits if given)."""
+    if name not in SHAPES:
+        raise MlxkvError(f"unknown shape {name!r} (known: {', '.join(shape_names())})")
+    if weight_bits not in (None, 4, 8):
+        raise MlxkvError(f"--weight-bits must be full, 8 or 4, got {weight_bits}")
+    config = dict(SHAPES[name])
+    arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    model = arch.Model(arch.ModelArgs.from_dict(config))
+    model.set_dtype(dtype)
+    if weight_bits:
+        nn.quantize(model, group_size=64, bits=weight_bits)
+        config["quantization"] = {"group_size": 64, "bits": weight_bits}
+    mx.eval(model.parameters())
+    return model, config

@@ -1,0 +1,89 @@
+#!/usr/bin/env python3
+"""One GPU session's checks and timings, results as JSON lines under $OUT (or ./gpu-out).
+
+  1. the correctness tests on the CUDA device (pytest subset, log kept);
+  2. mlx-lm's quantized KV on CUDA vs mlxkv's portable path on the same random model;
+  3. decode/prefill speed on a random-weight shape: mlxkv (full, affine 8, affine 4) beside
+     mlx-lm in the same run. Weights are random (speed and memory only).
+
+    python scripts/gpu_check.py [--shape llama-8b] [--contexts 2048,16384] [--batches 1,8] [--gen 64] [--skip-tests]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+from kvcore.backend import backend_name, versions
+from kvcore.bench import build_random_model, measure_mlx_lm, measure_mlxkv, seeded_prompts, weight_bytes
+from kvcore.codecs import CodecSpec
+from kvcore.policy import KVPolicy
+
+OUT = Path(os.environ.get("OUT", "gpu-out"))
+SCHEMES = {"full": None, "affine:8": 8, "affine:4": 4}
+
+
+def emit(name: str, obj: dict) -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    line = json.dumps({"t": round(time.time(), 1), **obj})
+    print(line, flush=True)
+    with open(OUT / name, "a") as f:
+        f.write(line + "\n")
+
+
+def run_tests(paths: list[str]) -> None:
+    log = OUT / "pytest.log"
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths],
+                       capture_output=True, text=True, timeout=420)
+    log.write_text(r.stdout + r.stderr)
+    emit("results.jsonl", {"step": "tests", "rc": r.returncode, "tail": (r.stdout + r.stderr)[-600:]})
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="llama-8b")
+    ap.add_argument("--contexts", default="2048,16384")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--gen", type=int, default=64)
+    ap.add_argument("--skip-tests", action="store_true")
+    ap.add_argument("--tests", default="tests/test_attention_blockwise.py,tests/test_codec_affine.py,"
+                    "tests/test_generate.py,tests/test_batch.py,tests/test_conversion.py")
+    a = ap.parse_args()
+    emit("results.jsonl", {"step": "env", "backend": backend_name(), "device": str(mx.default_device()),
+                           **versions(), "device_info": {k: str(v) for k, v in mx.device_info().items()}})
+    if not a.skip_tests:
+        run_tests(a.tests.split(","))
+    model, config = build_random_model(a.shape, None, mx.bfloat16)
+    wbytes = weight_bytes(model)
+    emit("results.jsonl", {"step": "model", "shape": a.shape, "weights": "random", "weight_bytes": wbytes})
+    # mlx-lm's quantized attention on CUDA, one short row
+    p = seeded_prompts(config["vocab_size"], 1, 512)
+    emit("results.jsonl", {"step": "mlx-lm-kv-bits-cuda", **measure_mlx_lm(model, 4, 64, p, 8)})
+    for context in map(int, a.contexts.split(",")):
+        for batch in map(int, a.batches.split(",")):
+            prompts = seeded_prompts(config["vocab_size"], batch, context)
+            for name, bits in SCHEMES.items():
+                policy = KVPolicy(CodecSpec("affine", bits, 64) if bits else CodecSpec("full"), start=0,
+                                  max_kv_size=None)
+                if bits is None:
+                    policy = KVPolicy(max_kv_size=None)  # mlx-lm's own caches: plain dense baseline path
+                measure_mlxkv(model, policy, [q[:256] for q in prompts[:1]], 4)  # warm-up
+                r = measure_mlxkv(model, policy, prompts, a.gen)
+                emit("results.jsonl", {"step": "speed", "engine": "mlxkv", "scheme": name, "context": context,
+                                       "batch": batch, **r})
+                if bits is None or batch == 1:
+                    r = measure_mlx_lm(model, bits, 64, prompts, a.gen)
+                    emit("results.jsonl", {"step": "speed", "engine": "mlx-lm", "scheme": name, "context": context,
+                                           "batch": batch, **r})
+                mx.clear_cache()
+
+
+if __name__ == "__main__":
+    main()
