@@ -136,5 +136,6 @@ def blas_status() -> BlasStatus:
     core = recommended_coretype()
     if desc.startswith("OpenBLAS") and core and any(f" {c} " in desc for c in _OLD_CORES):
         return BlasStatus(True, desc, f"OpenBLAS chose old SSE kernels for this CPU: export "
-                          f"OPENBLAS_CORETYPE={core} (scripts/blas-env.sh does) for ~5x faster matmuls")
+                          f"OPENBLAS_CORETYPE={core} (scripts/blas-env.sh does) "
+                          f"for ~5x faster matmuls")
     return BlasStatus(True, desc, None)

@@ -11,7 +11,6 @@ from rich.console import Console
 
 from kvcore.errors import MlxkvError
 
-
 DType = Literal["float32", "float16", "bfloat16"]
 
 

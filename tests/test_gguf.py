@@ -200,7 +200,8 @@ def test_tokenizer_matches_source(source, dense_gguf):
     for text in TEXTS:
         ids = tok.encode(text)
         assert ids == src_tok.encode(text), text
-        assert tok.decode(ids, skip_special_tokens=True) == src_tok.decode(ids, skip_special_tokens=True)
+        skip = {"skip_special_tokens": True}
+        assert tok.decode(ids, **skip) == src_tok.decode(ids, **skip)
     assert tok.bos_token == "<s>" and tok.eos_token_id == 2
     assert type(tok.detokenizer).__name__ == "SPMStreamingDetokenizer"
 
@@ -239,6 +240,62 @@ def test_convert_then_mlx_lm_load(source, dense_gguf, tmp_path):
 def test_dtype_cast(dense_gguf):
     model, _, _ = load_gguf(dense_gguf, dtype=mx.bfloat16)
     assert model.model.layers[0].self_attn.q_proj.weight.dtype == mx.bfloat16
+
+
+@pytest.mark.parametrize("low,high,orig", [(1.0, 100.0, 5000), (1.0, 8.0, 1000), (1.0, 2.0, 2000)])
+def test_llama3_rope_freqs(tmp_path, low, high, orig):
+    """llama.cpp's rope_freqs tensor -> an equivalent mlx-lm "llama3" rope_scaling."""
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": low,
+               "high_freq_factor": high, "original_max_position_embeddings": orig}
+    d, base = 8, 10000.0  # stories260K head_dim / rope_theta: 2 / 1 / 0 mid-band frequencies
+    factors = []
+    for i in range(0, d, 2):  # convert_hf_to_gguf.py LlamaModel, llama3 branch
+        wavelen = 2 * math.pi * base ** (i / d)
+        if wavelen < orig / high:
+            factors.append(1.0)
+        elif wavelen > orig / low:
+            factors.append(8.0)
+        else:
+            smooth = (orig / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / 8.0 + smooth))
+    arrays = {k: mx.array(v) for k, v in stories_tensors().items()}
+    arrays["rope_freqs.weight"] = mx.array(np.array(factors, np.float32))
+    path = tmp_path / "llama3.gguf"
+    mx.save_gguf(str(path), arrays, to_mx_metadata(stories_metadata()))
+    model, tok, cfg = load_gguf(path)
+    assert cfg["rope_scaling"]["rope_type"] == "llama3"
+    ref, _ = mlx_lm.load(str(STORIES), model_config={"rope_scaling": scaling})
+    plain, _ = mlx_lm.load(str(STORIES))
+    x = mx.array([tok.encode("Once upon a time there was a big dog who liked to run")])
+    assert mx.allclose(model(x), ref(x), atol=1e-4).item()
+    assert not mx.allclose(model(x), plain(x), atol=1e-4).item()  # the scaling matters here
+
+
+def test_qwen2_architecture(tmp_path):
+    """A qwen2 GGUF: q/k/v biases, no Q/K row permutation (NEOX RoPE in llama.cpp)."""
+    from mlx_lm.models import qwen2
+
+    src = json.loads((STORIES / "config.json").read_text())
+    meta = {k.replace("llama.", "qwen2.", 1): v for k, v in stories_metadata().items()}
+    meta["general.architecture"] = "qwen2"
+    rng = np.random.default_rng(0)
+    tensors, hf_weights = {}, []
+    for hf, w in mx.load(str(STORIES / "model.safetensors")).items():
+        w = np.array(w.astype(mx.float32))
+        tensors[gguf_name(hf)] = w  # no permutation for qwen2
+        hf_weights.append((hf, mx.array(w)))
+        if hf.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
+            b = rng.standard_normal(w.shape[0]).astype(np.float32) * 0.1
+            tensors[gguf_name(hf).replace(".weight", ".bias")] = b
+            hf_weights.append((hf.replace(".weight", ".bias"), mx.array(b)))
+    path = gw.write_gguf(tmp_path / "qwen2.gguf", meta, tensors)
+    model, tok, cfg = load_gguf(path)
+    assert cfg["model_type"] == "qwen2"
+    args = {**src, "model_type": "qwen2"}
+    ref = qwen2.Model(qwen2.ModelArgs.from_dict(args))
+    ref.load_weights(hf_weights)
+    x = mx.array([tok.encode(PROMPT)])
+    assert mx.allclose(model(x), ref(x), atol=1e-5).item()
 
 
 # --- quantized GGUF ----------------------------------------------------------
@@ -329,7 +386,7 @@ def _ggml_q4_k(blocks) -> np.ndarray:  # dequantize_row_q4_K, transcribed
     for b in blocks:
         d, dmin, s, qs = np.float32(b["d"]), np.float32(b["dmin"]), b["scales"].astype(int), b["qs"]
 
-        def scale_min(j):
+        def scale_min(j, s=s):
             if j < 4:
                 return s[j] & 63, s[j + 4] & 63
             return (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4), (s[j + 4] >> 4) | ((s[j] >> 6) << 4)
@@ -349,14 +406,14 @@ def _ggml_q6_k(blocks) -> np.ndarray:  # dequantize_row_q6_K, transcribed
         y = np.zeros(256, np.float32)
         for n in range(2):
             L, H, S = ql[64 * n:], qh[32 * n:], sc[8 * n:]
-            for l in range(32):
-                i = l // 16
-                q = [((L[l] & 15) | ((H[l] & 3) << 4)) - 32,
-                     ((L[l + 32] & 15) | (((H[l] >> 2) & 3) << 4)) - 32,
-                     ((L[l] >> 4) | (((H[l] >> 4) & 3) << 4)) - 32,
-                     ((L[l + 32] >> 4) | (((H[l] >> 6) & 3) << 4)) - 32]
+            for j in range(32):
+                i = j // 16
+                q = [((L[j] & 15) | ((H[j] & 3) << 4)) - 32,
+                     ((L[j + 32] & 15) | (((H[j] >> 2) & 3) << 4)) - 32,
+                     ((L[j] >> 4) | (((H[j] >> 4) & 3) << 4)) - 32,
+                     ((L[j + 32] >> 4) | (((H[j] >> 6) & 3) << 4)) - 32]
                 for k in range(4):
-                    y[128 * n + l + 32 * k] = d * np.float32(S[i + 2 * k]) * q[k]
+                    y[128 * n + j + 32 * k] = d * np.float32(S[i + 2 * k]) * q[k]
         out += list(y)
     return np.array(out, np.float32)
 
@@ -409,7 +466,8 @@ def test_unsupported_tensor_type(tmp_path):
     raw = np.zeros(64 * 64 // 256 * 176, np.uint8).tobytes()  # Q5_K: 176 bytes / 256 weights
     tensors["blk.0.attn_q.weight"] = gw.RawTensor("Q5_K", (64, 64), raw)
     path = gw.write_gguf(tmp_path / "q5k.gguf", stories_metadata(), tensors)
-    with pytest.raises(MlxkvError, match=r"unsupported tensor type Q5_K for tensor 'blk\.0\.attn_q\.weight'"):
+    msg = r"unsupported tensor type Q5_K for tensor 'blk\.0\.attn_q\.weight'"
+    with pytest.raises(MlxkvError, match=msg):
         load_gguf(path)
 
 
@@ -459,7 +517,8 @@ needs_smol = pytest.mark.skipif(
 
 def _run_with_blas(code: str) -> dict:
     """Run python code under scripts/blas-env.sh (OpenBLAS if installed); its last line is JSON."""
-    cmd = ["bash", "-c", f'. "{ROOT}/scripts/blas-env.sh" && exec "$0" -c "$1"', sys.executable, code]
+    script = f'. "{ROOT}/scripts/blas-env.sh" && exec "$0" -c "$1"'
+    cmd = ["bash", "-c", script, sys.executable, code]
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=1200)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -476,7 +535,8 @@ def test_smollm2_paris(dequantize):
     text = tok.decode(greedy(model, tok.encode("The capital of France is"), 8))
     assert "Paris" in text, text
     chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
-    assert chat[0] == 1 and chat[-4:] == tok.encode("<|im_start|>assistant\n")  # [1, 520, 9531, 198]
+    # ... [1, 520, 9531, 198] == "<|im_start|>assistant\n"
+    assert chat[0] == 1 and chat[-4:] == tok.encode("<|im_start|>assistant\n")
 
 
 @pytest.mark.slow

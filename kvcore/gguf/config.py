@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import mlx.core as mx
+import numpy as np
+
 from kvcore.errors import MlxkvError
 from kvcore.gguf.reader import GGUFFile
 
@@ -21,6 +24,7 @@ class ArchSpec:
 # (Mistral / Mixtral-free Llama variants are written as "llama" by llama.cpp.)
 ARCHS: dict[str, ArchSpec] = {
     "llama": ArchSpec("llama", "LlamaForCausalLM", permute_qk=True),
+    "qwen2": ArchSpec("qwen2", "Qwen2ForCausalLM", permute_qk=False, attention_bias=True),
 }
 
 
@@ -54,12 +58,16 @@ def build_config(gguf: GGUFFile) -> dict[str, Any]:
     n_heads = int(_req(gguf, p + "attention.head_count"))
     hidden = int(_req(gguf, p + "embedding_length"))
     n_kv = int(gguf.get(p + "attention.head_count_kv", n_heads))
+    q_info = gguf.infos.get("blk.0.attn_q.weight")
     head_dim = int(gguf.get(p + "attention.key_length",
-                            gguf.get(p + "rope.dimension_count", hidden // n_heads)))
+                            q_info.shape[0] // n_heads if q_info else hidden // n_heads))
+    rope_dims = int(gguf.get(p + "rope.dimension_count", head_dim))
+    if rope_dims != head_dim:
+        raise MlxkvError(f"partial RoPE ({rope_dims} of {head_dim} dims) is not supported: "
+                         f"{gguf.path}")
+    embd = gguf.infos.get("token_embd.weight")
     tokens = gguf.get("tokenizer.ggml.tokens") or []
-    vocab = int(gguf.get(p + "vocab_size", len(tokens)))
-    if not vocab and "token_embd.weight" in gguf.infos:
-        vocab = gguf.infos["token_embd.weight"].shape[0]
+    vocab = embd.shape[0] if embd else int(gguf.get(p + "vocab_size", len(tokens)))
     cfg: dict[str, Any] = {
         "architectures": [spec.hf_arch],
         "model_type": spec.model_type,
@@ -84,7 +92,8 @@ def build_config(gguf: GGUFFile) -> dict[str, Any]:
     rope = _rope_scaling(gguf, p)
     if rope is not None:
         cfg["rope_scaling"] = rope
-    for key, name in (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "padding")):
+    for key, name in (("bos_token_id", "bos"), ("eos_token_id", "eos"),
+                      ("pad_token_id", "padding")):
         tid = gguf.get(f"tokenizer.ggml.{name}_token_id")
         if tid is not None:
             cfg[key] = int(tid)
@@ -92,9 +101,9 @@ def build_config(gguf: GGUFFile) -> dict[str, Any]:
 
 
 def _rope_scaling(gguf: GGUFFile, p: str) -> dict[str, Any] | None:
-    if "rope_freqs.weight" in gguf.infos:
-        raise MlxkvError(f"Llama-3 style RoPE frequency factors (rope_freqs) are not supported: "
-                         f"{gguf.path}")
+    if "rope_freqs.weight" in gguf.tensors:
+        orig = int(gguf.get(p + "rope.scaling.original_context_length", 8192))
+        return llama3_rope_scaling(gguf, orig)
     kind = gguf.get(p + "rope.scaling.type", "none")
     factor = gguf.get(p + "rope.scaling.factor")
     if kind in ("none", None) or not factor or float(factor) == 1.0:
@@ -102,3 +111,55 @@ def _rope_scaling(gguf: GGUFFile, p: str) -> dict[str, Any] | None:
     if kind == "linear":
         return {"type": "linear", "factor": float(factor)}
     raise MlxkvError(f"unsupported RoPE scaling '{kind}': {gguf.path}")
+
+
+def llama3_rope_scaling(gguf: GGUFFile, orig: int) -> dict[str, Any]:
+    """Recover Llama-3 RoPE scaling parameters from llama.cpp's rope_freqs tensor.
+
+    llama.cpp stores per-frequency factors f_i (theta_i / f_i): 1 for short
+    wavelengths, `factor` for long ones, 1 / ((1 - s) / factor + s) between, with
+    s = (orig / wavelen - low) / (high - low). Only the ratios low:high:orig matter,
+    so we fix orig and fit low/high on the in-between frequencies, then check.
+    """
+    rf = np.array(gguf.tensors["rope_freqs.weight"].astype(mx.float32), np.float64).ravel()
+    base = float(gguf.get(gguf.get("general.architecture") + ".rope.freq_base", 10000.0))
+    dims = 2 * len(rf)
+    wavelen = 2 * np.pi * base ** (np.arange(0, dims, 2) / dims)
+    factor = float(rf.max())
+    low, high = 1.0, 4.0  # mlx-lm's defaults, used when nothing is scaled
+    if factor > 1.0 + 1e-6:
+        low, high = _fit_low_high(orig / wavelen, rf, factor)
+    cfg = {"rope_type": "llama3", "factor": factor, "low_freq_factor": float(low),
+           "high_freq_factor": float(high), "original_max_position_embeddings": orig}
+    if not np.allclose(_llama3_factors(cfg, wavelen), rf, rtol=1e-3):
+        raise MlxkvError(f"cannot recover Llama-3 RoPE scaling from rope_freqs: {gguf.path}")
+    return cfg
+
+
+def _fit_low_high(x: np.ndarray, rf: np.ndarray, factor: float) -> tuple[float, float]:
+    """low/high_freq_factor from x = orig / wavelen and the factors rf (see above)."""
+    mid = (rf > 1 + 1e-4) & (rf < factor * (1 - 1e-4))
+    s = (1 / rf - 1 / factor) / (1 - 1 / factor)  # smooth in (0, 1) on the mid band
+    lo_x = x[rf >= factor * (1 - 1e-4)]  # fully scaled: x <= low
+    hi_x = x[rf <= 1 + 1e-4]  # unscaled: x >= high
+    if mid.sum() >= 2:
+        a, b = np.polyfit(x[mid], s[mid], 1)
+        return float(-b / a), float((1 - b) / a)
+    lo_edge = lo_x.max() if len(lo_x) else x.min() / 10
+    if mid.sum() == 1:  # the line through the one point and a zero between it and lo_edge
+        x1, s1 = float(x[mid][0]), float(s[mid][0])
+        low = float(np.sqrt(x1 * lo_edge))
+        return low, low + (x1 - low) / s1
+    hi_edge = hi_x.min() if len(hi_x) else x.max() * 10
+    low = float(np.sqrt(lo_edge * hi_edge))
+    return low, low * (1 + 1e-3)
+
+
+def _llama3_factors(cfg: dict[str, Any], wavelen: np.ndarray) -> np.ndarray:
+    """Per-frequency multipliers mlx-lm's Llama3RoPE applies (same as llama.cpp's)."""
+    factor, low, high = cfg["factor"], cfg["low_freq_factor"], cfg["high_freq_factor"]
+    orig = cfg["original_max_position_embeddings"]
+    s = (orig / wavelen - low) / (high - low)
+    mid = 1 / ((1 - s) / factor + s)
+    out = np.where(wavelen > orig / low, factor, 1.0)
+    return np.where((wavelen > orig / high) & (wavelen < orig / low), mid, out)

@@ -68,7 +68,8 @@ def build_model(config: dict[str, Any], weights: dict[str, mx.array]) -> nn.Modu
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
         msg = " ".join(str(e).split())[:300]
-        raise MlxkvError(f"GGUF tensors do not fit the {config['model_type']} model: {msg}") from None
+        arch = config["model_type"]
+        raise MlxkvError(f"GGUF tensors do not fit the {arch} model: {msg}") from None
     mx.eval(model.parameters())
     model.eval()
     return model

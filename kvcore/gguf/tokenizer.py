@@ -15,8 +15,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
-from tokenizers import pre_tokenizers, processors
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+)
 
 from kvcore.errors import MlxkvError
 from kvcore.gguf.reader import GGUFFile
@@ -28,9 +36,11 @@ _LLAMA3_RE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}
               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_RE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
              r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_DIGITS_PRE = ("smollm", "starcoder", "refact")
+# tokenizer.ggml.pre names -> pre-tokenizer (as llama.cpp's llama-vocab.cpp groups them)
+_DIGITS_PRE = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone")
 _GPT2_PRE = ("default", "gpt2", "gpt-2")
-_REGEX_PRE = {"llama-bpe": _LLAMA3_RE, "llama3": _LLAMA3_RE, "qwen2": _QWEN2_RE}
+_REGEX_PRE = {"llama-bpe": _LLAMA3_RE, "llama3": _LLAMA3_RE, "smaug-bpe": _LLAMA3_RE,
+              "dbrx": _LLAMA3_RE, "qwen2": _QWEN2_RE}
 
 
 @dataclass
@@ -57,8 +67,11 @@ class TokenizerSpec:
         """mlx-lm TokenizerWrapper with the matching streaming detokenizer."""
         from functools import partial
 
-        from mlx_lm.tokenizer_utils import (BPEStreamingDetokenizer,
-                                            SPMStreamingDetokenizer, TokenizerWrapper)
+        from mlx_lm.tokenizer_utils import (
+            BPEStreamingDetokenizer,
+            SPMStreamingDetokenizer,
+            TokenizerWrapper,
+        )
 
         if self.kind == "spm":
             detok = partial(SPMStreamingDetokenizer, trim_space=self.add_space_prefix)
@@ -96,9 +109,9 @@ def _spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> lis
         local = [(piece[:k], piece[k:]) for k in range(1, len(piece))
                  if piece[:k] in vocab and piece[k:] in vocab]
         local.sort(key=lambda lr: (vocab[lr[0]], vocab[lr[1]]))
-        merges += [(l, r, scores[pid]) for l, r in local]
+        merges += [(left, right, scores[pid]) for left, right in local]
     merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
-    return [(l, r) for l, r, _ in merges]
+    return [(left, right) for left, right, _ in merges]
 
 
 def _bpe_pre_tokenizer(pre: str, path: Path) -> Any:
@@ -155,9 +168,12 @@ def build_tokenizer(gguf: GGUFFile, context_length: int = 2048) -> TokenizerSpec
         add_bos = bool(gguf.get("tokenizer.ggml.add_bos_token", False))
         merges = [tuple(m.split(" ", 1)) for m in gguf.get("tokenizer.ggml.merges") or []]
         pre = gguf.get("tokenizer.ggml.pre", "default")
+        llama3 = _REGEX_PRE.get(pre) == _LLAMA3_RE  # HF Llama-3 tokenizers ignore merges
         tk = Tokenizer(models.BPE(vocab, merges, dropout=None, unk_token=None, fuse_unk=False,
-                                  byte_fallback=False, ignore_merges=pre in ("llama-bpe", "llama3")))
+                                  byte_fallback=False, ignore_merges=llama3))
         tk.pre_tokenizer = _bpe_pre_tokenizer(pre, gguf.path)
+        if pre == "qwen2":
+            tk.normalizer = normalizers.NFC()  # as Qwen2's tokenizer.json
         tk.decoder = decoders.ByteLevel()
     elif model == "llama":
         kind = "spm"

@@ -77,7 +77,8 @@ def dequantize(t: RawTensor) -> np.ndarray:
     """Reference decode of the block types above (float32, MLX shape)."""
     raw = np.frombuffer(t.data, np.uint8)
     if t.type_name in ("F32", "F16"):
-        return raw.view("<f4" if t.type_name == "F32" else "<f2").astype(np.float32).reshape(t.shape)
+        dt = "<f4" if t.type_name == "F32" else "<f2"
+        return raw.view(dt).astype(np.float32).reshape(t.shape)
     if t.type_name == "Q8_0":
         rec = raw.view([("d", "<f2"), ("q", "i1", 32)])
         x = rec["d"].astype(np.float32)[:, None] * rec["q"]
