@@ -124,11 +124,3 @@ def _quant_entry(layer_bits: dict[str, int]) -> dict[str, Any] | None:
         if b != bits:
             entry[prefix] = {"group_size": GROUP_SIZE, "bits": b}
     return entry
-
-
-def tensor_types(gguf: GGUFFile) -> Counter:
-    """How many tensors of each ggml type (for summaries)."""
-    return Counter(i.type_name for i in gguf.infos.values())
-
-
-
