@@ -10,10 +10,13 @@ import mlx.core as mx
 from .attention import attention_context
 from .backend import backend_name, versions
 from .engine import GenerateConfig, Request, SamplingConfig, generate_one, kv_summary
-from .engine.prompt import encode_prompt
+from .engine.prompt import encode_continuation, encode_prompt
 from .errors import MlxkvError
 from .models import load_model
 from .policy import KVOptions, build_caches, resolve_policy
+from .resume import open_for_model, save_after_run, start_from_cache
+from .store.atomic import check_target
+from .units import format_bytes
 
 
 @dataclass
@@ -28,6 +31,10 @@ class GenerateJob:
     sampling: SamplingConfig = SamplingConfig()
     kv: KVOptions = field(default_factory=KVOptions)
     prefill_chunk: int = 512
+    save_cache: str | None = None  # save the caches after the run (prompt + generated tokens)
+    load_cache: str | None = None  # continue from a saved cache
+    continue_mode: str = "append"  # with load_cache: "append" the prompt as raw tokens | it is the "full" prompt
+    chat_continue: bool = False  # "append" through the chat template, as a new user turn
 
 
 @dataclass
@@ -44,7 +51,15 @@ def run_generate(job: GenerateJob, on_text: Callable[[str], None] | None = None,
     if job.prefill_chunk < 1:
         raise MlxkvError(f"--prefill-chunk must be >= 1, got {job.prefill_chunk}")
     policy = resolve_policy(job.kv)  # bad flags fail before the model loads
+    if (job.save_cache or job.load_cache) and len(job.prompts) != 1:
+        raise MlxkvError("--save-cache and --load-cache take exactly one prompt")
+    if job.chat_continue and not (job.load_cache and job.continue_mode == "append"):
+        raise MlxkvError("--chat-continue adds -p text after a loaded cache: it needs --load-cache, "
+                         "not --prompt-file")
+    if job.save_cache:
+        check_target(job.save_cache)
     lm = load_model(job.model, job.dtype)
+    cached = open_for_model(job.load_cache, lm) if job.load_cache else None  # checked before any work
     notices: list[str] = []
 
     def note(msg: str):
@@ -54,18 +69,33 @@ def run_generate(job: GenerateJob, on_text: Callable[[str], None] | None = None,
 
     completions, caches, plan, stats = [], [], [], None
     mx.reset_peak_memory()
+    kv_policy = {"source": policy.source, "codec": policy.codec.label(), "start": policy.start,
+                 "max_kv_size": policy.max_kv_size}
     for i, text in enumerate(job.prompts):
-        ids = encode_prompt(lm.tokenizer, text, job.system, job.chat_template)
+        if cached is not None and job.continue_mode == "append":
+            ids = cached.prefix_ids + encode_continuation(lm.tokenizer, text, job.chat_continue)
+        else:
+            ids = encode_prompt(lm.tokenizer, text, job.system, job.chat_template)
         if not ids:
             raise MlxkvError(f"prompt {i} is empty after tokenization")
-        caches, plan = build_caches(lm.model, policy)
-        if policy.compresses and policy.start >= len(ids) + job.max_tokens:
-            note(f"KV stays full precision: --quantized-kv-start {policy.start} lies beyond "
-                 f"prompt ({len(ids)}) + max tokens ({job.max_tokens})")
-        req = Request(tuple(ids), job.max_tokens, str(i), job.stop)
-        with attention_context(lm.model, required=policy.compresses) as stats:
+        feed, compresses = ids, policy.compresses
+        if cached is not None:
+            asked = policy if any(v is not None for v in vars(job.kv).values()) else None
+            start = start_from_cache(cached, ids, lm.model, asked, note)
+            caches, plan, feed, compresses, kv_policy = (start.caches, start.plan, start.prefill,
+                                                         start.compresses, start.kv_policy)
+        else:
+            caches, plan = build_caches(lm.model, policy)
+            if policy.compresses and policy.start >= len(ids) + job.max_tokens:
+                note(f"KV stays full precision: --quantized-kv-start {policy.start} lies beyond "
+                     f"prompt ({len(ids)}) + max tokens ({job.max_tokens})")
+        req = Request(tuple(feed), job.max_tokens, str(i), job.stop)
+        with attention_context(lm.model, required=compresses) as stats:
             completions.append(generate_one(lm.model, lm.tokenizer, req, caches,
                                             GenerateConfig(job.sampling, job.prefill_chunk), on_text))
+        if job.save_cache:
+            size = save_after_run(job.save_cache, lm, caches, ids, completions[-1])
+            note(f"saved the KV cache to {job.save_cache} ({format_bytes(size)})")
     converted = any(getattr(c, "converted", False) and c.key_codec is not None for c in caches)
     summary = {
         "type": "summary",
@@ -75,8 +105,7 @@ def run_generate(job: GenerateJob, on_text: Callable[[str], None] | None = None,
         "generated_tokens": sum(len(c.token_ids) for c in completions),
         "peak_memory_bytes": mx.get_peak_memory(),
         **kv_summary(caches),
-        "kv_policy": {"source": policy.source, "codec": policy.codec.label(), "start": policy.start,
-                      "max_kv_size": policy.max_kv_size},
+        "kv_policy": kv_policy,
         "converted": converted,
         "plan": [p.to_json() for p in plan],
         "backend": backend_name(),

@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from kvcore.engine import SamplingConfig
+from kvcore.errors import MlxkvError
 from kvcore.policy import KVOptions
 from kvcore.run import GenerateJob, run_generate
 from kvcore.run_batch import BatchOptions, run_batch
@@ -44,6 +45,9 @@ def generate(
     kv_keep: KeepOpt = None,
     profile: ProfileOpt = None,
     prefill_chunk: Annotated[int, typer.Option(help="Prompt tokens per forward pass.")] = 512,
+    save_cache: Annotated[Optional[Path], typer.Option(help="Save the KV caches after the run (prompt and generated tokens); --max-tokens 0 saves the prefilled prompt.")] = None,
+    load_cache: Annotated[Optional[Path], typer.Option(help="Continue from a saved cache: -p text follows the cached tokens (raw, no template); --prompt-file is a full prompt whose cached prefix is reused.")] = None,
+    chat_continue: Annotated[bool, typer.Option("--chat-continue", help="With --load-cache and -p: add the text as a new chat turn (chat template).")] = False,
     json_out: JsonOpt = False,
     verbose: VerboseOpt = False,
 ):
@@ -56,8 +60,12 @@ def generate(
         kv=KVOptions(kv_bits, kv_group_size, quantized_kv_start, str(kv_config) if kv_config else None,
                      max_kv_size, kv_keep, profile),
         prefill_chunk=prefill_chunk,
+        save_cache=str(save_cache) if save_cache else None, load_cache=str(load_cache) if load_cache else None,
+        continue_mode="full" if prompt_file is not None else "append", chat_continue=chat_continue,
     )
     specs = read_prompts(prompt_arg, prompt, prompt_file, prompts_file)
+    if (save_cache or load_cache) and (len(specs) > 1 or prompts_file is not None):
+        raise MlxkvError("--save-cache and --load-cache take exactly one prompt")
     if len(specs) > 1 or prompts_file is not None:
         opts = BatchOptions(batch_size, parse_bytes(max_kv_bytes, "--max-kv-bytes") if max_kv_bytes else None)
         on_finish = output.json_completion if json_out else output.labelled_completion

@@ -200,8 +200,9 @@ class CompressedKVCache(_BaseCache):
         }
 
     def set_layout(self, m: dict) -> None:
-        """Reset to the (validated) layout `m`; the arrays follow through `state`."""
+        """Reset to the (validated) layout `m`; the arrays come through `state` (before or after)."""
         spec = lambda d: CodecSpec(d["codec"], d["bits"], d["group_size"])  # noqa: E731
+        loaded = getattr(self, "_loaded", None)
         self.__init__(spec(m["key"]), spec(m["value"]), m["start"] or 0, m["window"], m["keep"])
         self.offset, self.converted = m["offset"], m["converted"]
         self.enc_start, self.tail_start = m["enc_start"], m["tail_start"]
@@ -210,9 +211,10 @@ class CompressedKVCache(_BaseCache):
             self._dims = (B, H, D, Dv, _DTYPES[m["dtype"]])
             self.key_codec = make_codec(self.key_spec, D)
             self.value_codec = make_codec(self.value_spec, Dv)
+            self.enc.step = max(1, self.enc.step // self.block_tokens)
         if m["key_parts"] is not None:
             self._n_key_parts = m["key_parts"]
-        self._counts, self._loaded = (m["sink"], m["enc"], m["tail"]), None
+        self._counts, self._loaded = (m["sink"], m["enc"], m["tail"]), loaded
 
     def _fill(self) -> None:
         """Hand the loaded arrays (sink k, v | encoded parts | tail k, v) to the buffers."""

@@ -31,6 +31,7 @@ class Completion:
     prompt_tokens: int = 0
     prompt_time: float = 0.0
     gen_time: float = 0.0
+    eos_token: int | None = None  # the EOS that ended it (fed to the caches, not in token_ids)
 
     @property
     def prompt_tps(self) -> float:
@@ -97,7 +98,7 @@ def generate_one(
     t1 = time.perf_counter()
     for tok in decode_tokens(model, caches, logits, config.sampling.sampler(), request.max_tokens):
         if tok in eos:
-            out.finish_reason = "eos"
+            out.finish_reason, out.eos_token = "eos", tok
             break
         out.token_ids.append(tok)
         detok.add_token(tok)

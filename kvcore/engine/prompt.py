@@ -14,3 +14,14 @@ def encode_prompt(tokenizer, prompt: str, system: str | None = None, chat_templa
         return list(tokenizer.encode(text, add_special_tokens=False))
     text = f"{system}\n\n{prompt}" if system else prompt
     return list(tokenizer.encode(text))
+
+
+def encode_continuation(tokenizer, text: str, chat: bool = False) -> list[int]:
+    """Tokens that follow an existing context: no BOS; with `chat`, the text as a new user turn
+    (the chat template's rendering of it, minus a leading BOS)."""
+    if chat and has_chat_template(tokenizer):
+        s = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                          add_generation_prompt=True)
+        bos = getattr(tokenizer, "bos_token", None)
+        text = s[len(bos):] if bos and s.startswith(bos) else s
+    return list(tokenizer.encode(text, add_special_tokens=False))

@@ -1,0 +1,83 @@
+"""`generate --load-cache / --save-cache`: start a run from a saved cache, save one after it.
+
+The loaded cache keeps the KV policy it was saved with (flags that ask for another one get a
+note). Its tokens are reused as far as they agree with the new context; where rolling back
+is impossible (a wrapped sliding window, SSM state) the context is prefilled from scratch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from .engine.forward import cache_offset
+from .engine.reuse import reuse_prefix
+from .errors import MlxkvError
+from .policy import KVPolicy, LayerPlan, plan_layers
+from .store import CacheFile, check_fingerprint, model_fingerprint, open_cache_file, save_cache
+
+
+@dataclass
+class CacheStart:
+    caches: list
+    plan: list[LayerPlan]
+    prefill: list[int]  # context tokens still to feed
+    compresses: bool
+    kv_policy: dict  # for the run summary
+
+
+def open_for_model(path: str | Path, lm) -> CacheFile:
+    """Open and check a cache file, and refuse one made for another model or tokenizer."""
+    cf = open_cache_file(path)
+    try:
+        check_fingerprint(cf.fingerprint, model_fingerprint(lm.model, lm.tokenizer, lm.config))
+    except MlxkvError as e:
+        raise MlxkvError(f"cannot continue from {path}: {e}") from None
+    return cf
+
+
+def _label(plan: list[LayerPlan]) -> str:
+    codecs = {p.codec.label() for p in plan if p.codec.compresses}
+    windows = sorted({p.window for p in plan if p.window})
+    codec = "full" if not codecs else codecs.pop() if len(codecs) == 1 else "per-layer codecs"
+    return codec + (f", windows {', '.join(map(str, windows))}" if windows else "")
+
+
+def _same(a: list[LayerPlan], b: list[LayerPlan]) -> bool:
+    key = lambda p: (p.kind, p.codec, p.window, p.keep)  # noqa: E731
+    return len(a) == len(b) and all(key(x) == key(y) for x, y in zip(a, b))
+
+
+def start_from_cache(cf: CacheFile, context: list[int], model, asked: KVPolicy | None,
+                     note: Callable[[str], None]) -> CacheStart:
+    """Caches holding as much of `context` as the file allows, and what is left to prefill.
+
+    `asked`: the policy the user's KV flags give (None when no KV flag was given)."""
+    plan = cf.plan()
+    if asked is not None:
+        wanted = plan_layers(model, asked)
+        if not _same(plan, wanted):
+            note(f"using the cache's KV policy ({_label(plan)}); the KV flags asked for {_label(wanted)}")
+    caches = cf.restore()
+    reuse = reuse_prefix(caches, cf.prefix_ids, context)
+    if reuse.blocked:
+        note(f"cannot reuse the cached tokens ({reuse.blocked}): prefilling all {len(context)} tokens")
+        caches = cf.fresh()
+    elif reuse.kept < len(cf.prefix_ids):
+        note(f"the prompt diverges from the cache after {reuse.kept} of its {len(cf.prefix_ids)} tokens: "
+             f"reusing {reuse.kept}")
+    starts = [p.start for p in plan if p.codec.compresses and p.start is not None]
+    kv_policy = {"source": f"cache {cf.path}", "codec": _label(plan), "start": min(starts, default=None),
+                 "max_kv_size": None, "reused_tokens": reuse.kept}
+    return CacheStart(caches, plan, context[reuse.kept:], any(p.codec.compresses for p in plan), kv_policy)
+
+
+def save_after_run(path: str | Path, lm, caches: list, context: list[int], completion) -> int:
+    """Save `caches` after a run over `context`; they hold its tokens and the generated ones fed
+    back (every one but a last token that hit --max-tokens). Returns the file size."""
+    fed = context + completion.token_ids + ([completion.eos_token] if completion.eos_token is not None else [])
+    n = cache_offset(caches)
+    if n > len(fed):
+        raise MlxkvError(f"internal: the caches hold {n} tokens, the run produced {len(fed)}")
+    return save_cache(path, caches, fed[:n], model_fingerprint(lm.model, lm.tokenizer, lm.config))

@@ -1,0 +1,11 @@
+"""KV persistence: save a run's caches with their token prefix, open them back (checked), convert
+them to another KV policy, and inspect them. Never prints; errors are `MlxkvError`s."""
+
+from .convert import ConvertResult, convert_cache_file
+from .file import CacheFile, open_cache_file, save_cache
+from .fingerprint import check_fingerprint, model_fingerprint
+from .inspect import inspect_cache
+from .safetensors import CacheFileError
+
+__all__ = ["CacheFile", "CacheFileError", "ConvertResult", "check_fingerprint", "convert_cache_file",
+           "inspect_cache", "model_fingerprint", "open_cache_file", "save_cache"]

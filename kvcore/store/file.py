@@ -1,0 +1,172 @@
+"""The mlxkv cache file: save a model's caches with their token prefix, open one back, checked.
+
+Format "mlxkv-kv", version 1: a safetensors file whose metadata key "mlxkv" holds one JSON
+document:
+```
+{"format": "mlxkv-kv", "version": 1, "mlxkv_version": "0.1.0", "created": "2025-...Z",
+ "model": {model_type, architecture, layers, caches, kv_heads, head_dim, config_sha256, tokenizer_sha256},
+ "prefix_tokens": N,
+ "layers": [{"kind": "compressed" | "kv" | "rotating" | "arrays", ...fields of that kind}, ...],
+ "arrays": {name: {"dtype", "shape", "sha256"}, ...}}
+```
+Arrays: `prefix_ids` (int32, (N,): the tokens the caches hold) and `layers.{i}.{j}`.
+Opening checks the container, the document, every array's dtype/shape against the layer
+entries, and every checksum, before any array is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import mlx.core as mx
+
+from .. import __version__
+from ..errors import MlxkvError
+from .atomic import atomic_write
+from .layers import KINDS, STATE_DTYPES, kind_of_cache
+from .mlx_lm_file import looks_like_mlx_lm
+from .safetensors import Container, array_sha256, dtype_name, is_int, open_container
+from .schema import Fields
+
+FORMAT, VERSION, META_KEY, PREFIX = "mlxkv-kv", 1, "mlxkv", "prefix_ids"
+MAX_LAYERS = 4096
+
+
+@dataclass
+class CacheFile:
+    container: Container
+    header: dict
+    prefix_ids: list[int]
+
+    @property
+    def path(self) -> Path:
+        return self.container.path
+
+    @property
+    def layers(self) -> list[dict]:
+        return self.header["layers"]
+
+    @property
+    def fingerprint(self) -> dict:
+        return self.header["model"]
+
+    def layer_tensors(self, i: int) -> list:
+        n = sum(1 for name in self.container.tensors if name.startswith(f"layers.{i}."))
+        return [self.container.tensors[f"layers.{i}.{j}"] for j in range(n)]
+
+    def kv_bytes(self) -> int:
+        return sum(t.nbytes for name, t in self.container.tensors.items() if name != PREFIX)
+
+    def arrays(self) -> dict[str, mx.array]:
+        return self.container.load_arrays()
+
+    def restore_layer(self, i: int, arrays: dict[str, mx.array]):
+        entry = self.layers[i]
+        return KINDS[entry["kind"]].rebuild(entry, [arrays[t.name] for t in self.layer_tensors(i)])
+
+    def restore(self) -> list:
+        """The caches as saved, ready to continue from `len(prefix_ids)`."""
+        arrays = self.arrays()
+        return [self.restore_layer(i, arrays) for i in range(len(self.layers))]
+
+    def fresh(self) -> list:
+        """Empty caches with the same kinds and KV settings (to prefill from scratch)."""
+        return [KINDS[e["kind"]].fresh(e) for e in self.layers]
+
+    def plan(self) -> list:
+        return [KINDS[e["kind"]].plan(e, i) for i, e in enumerate(self.layers)]
+
+
+def _offset(cache) -> int | None:
+    return getattr(cache, "offset", None)
+
+
+def save_cache(path: str | Path, caches: list, prefix_ids: list[int], fingerprint: dict) -> int:
+    """Write `caches` (holding exactly `prefix_ids`) atomically; returns the file size."""
+    n = len(prefix_ids)
+    if n < 1:
+        raise MlxkvError("nothing to save: the caches hold no tokens")
+    entries, arrays = [], {}
+    for i, c in enumerate(caches):
+        if _offset(c) is not None and _offset(c) != n:
+            raise MlxkvError(f"layer {i} holds {_offset(c)} tokens, the prefix has {n}")
+        entry, parts = kind_of_cache(c).write(c)
+        entries.append(entry)
+        arrays.update({f"layers.{i}.{j}": a for j, a in enumerate(parts)})
+    arrays[PREFIX] = mx.array(prefix_ids, dtype=mx.int32)
+    table = {name: {"dtype": dtype_name(a.dtype), "shape": list(a.shape), "sha256": array_sha256(a)}
+             for name, a in arrays.items()}
+    doc = {
+        "format": FORMAT, "version": VERSION, "mlxkv_version": __version__,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "model": fingerprint, "prefix_tokens": n, "layers": entries, "arrays": table,
+    }
+    atomic_write(path, lambda f: mx.save_safetensors(f, arrays, metadata={META_KEY: json.dumps(doc)}))
+    return Path(path).stat().st_size
+
+
+def open_cache_file(path: str | Path) -> CacheFile:
+    """Open and fully check an mlxkv cache file (arrays are not loaded yet)."""
+    c = open_container(path)
+    fail = c.fail
+    raw = c.metadata.get(META_KEY)
+    if raw is None:
+        if looks_like_mlx_lm(c.metadata):
+            raise fail("an mlx-lm prompt cache, not an mlxkv cache (inspect-cache reads it; generate cannot "
+                       "continue from it)")
+        raise fail(f"not an mlxkv cache (no {META_KEY!r} metadata)")
+    try:
+        doc = json.loads(raw)
+    except (json.JSONDecodeError, RecursionError):
+        raise fail("the mlxkv header is not valid JSON")
+    f = Fields(doc, "header", fail)
+    if f.get("format") != FORMAT:
+        raise fail(f"unknown format {doc['format']!r} (expected {FORMAT!r})")
+    version = f.get("version")
+    if version != VERSION or not is_int(version):
+        raise fail(f"unsupported format version {version!r} (this mlxkv reads version {VERSION})")
+    f.str("mlxkv_version"), f.str("created"), f.sub("model")
+    n = f.int("prefix_tokens", lo=1)
+    expected = {PREFIX: ((n,), "int32")}
+    layers = f.get("layers")
+    if not isinstance(layers, list) or not 1 <= len(layers) <= MAX_LAYERS:
+        raise fail("header: 'layers' must be a non-empty list")
+    for i, entry in enumerate(layers):
+        lf = Fields(entry, f"layer {i}", fail)
+        kind = lf.str("kind", tuple(KINDS))
+        expected.update({f"layers.{i}.{j}": s for j, s in enumerate(KINDS[kind].check(lf, fail))})
+        if kind != "arrays" and entry["offset"] != n:
+            raise fail(f"layer {i} holds {entry['offset']} tokens, the prefix has {n}")
+    _check_arrays(c, f.sub("arrays"), expected)
+    ids = struct.unpack(f"<{n}i", c.read(c.tensors[PREFIX]))
+    if min(ids) < 0:
+        raise fail("prefix_ids holds negative token ids")
+    return CacheFile(c, doc, list(ids))
+
+
+def _check_arrays(c: Container, table: Fields, expected: dict) -> None:
+    fail = c.fail
+    for name in sorted(set(expected) | set(table.obj)):
+        if name not in expected:
+            raise fail(f"unexpected array {name!r} in the header")
+        if name not in c.tensors or name not in table.obj:
+            raise fail(f"missing array {name!r}")
+    for name in c.tensors:
+        if name not in expected:
+            raise fail(f"unexpected array {name!r} in the file")
+    for name, want in expected.items():
+        t, info = c.tensors[name], Fields(table.obj[name], f"array {name!r}", fail)
+        shape, dtype = info.get("shape"), info.str("dtype")
+        if list(t.shape) != shape or t.dtype != dtype:
+            raise fail(f"array {name!r} is {t.dtype}{list(t.shape)} in the file, {dtype}{shape} in the header")
+        if want is not None and (tuple(want[0]) != t.shape or want[1] != t.dtype):
+            raise fail(f"array {name!r} is {t.dtype}{list(t.shape)}; its layer needs {want[1]}{list(want[0])}")
+        if want is None and (t.dtype not in STATE_DTYPES or not t.shape):
+            raise fail(f"array {name!r}: {t.dtype}{list(t.shape)} is not a state array")
+    for name in sorted(expected):
+        if c.sha256(c.tensors[name]) != table.obj[name].get("sha256"):
+            raise fail(f"checksum mismatch for array {name!r}: the data is damaged")
