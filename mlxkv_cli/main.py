@@ -22,8 +22,11 @@ def build_app():
 
     from kvcore import __version__
 
+    from .convert_kv import convert_kv
+    from .convert_model import convert_model
     from .errors import MlxkvGroup
     from .generate import generate
+    from .inspect_cache import inspect_cache
 
     app = typer.Typer(cls=MlxkvGroup, no_args_is_help=True, add_completion=False,
                       pretty_exceptions_enable=False, help="Run MLX language models with compressed KV caches.")
@@ -42,16 +45,10 @@ def build_app():
         pass
 
     app.command("generate")(generate)
-    _optional_commands(app)
-    return app
-
-
-def _optional_commands(app) -> None:
-    try:
-        from .convert_model import convert_model
-    except ImportError:
-        return
+    app.command("convert-kv")(convert_kv)
+    app.command("inspect-cache")(inspect_cache)
     app.command("convert-model")(convert_model)
+    return app
 
 
 def main() -> None:

@@ -7,6 +7,10 @@ free of test logic.  Builders live in ``tests/fixtures/`` (importable as
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("MLX_ENABLE_TF32", "0")  # exact float32 matmuls on CUDA (TF32 is MLX's default there)
+
 from pathlib import Path
 from typing import Callable, Dict
 

@@ -30,9 +30,10 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("block", [None, 32], ids=["fused", "blockwise"])
 @pytest.mark.parametrize("spec,head_dim,window,keep,sinks", CASES)
-def test_blockwise_matches_reference(monkeypatch, spec, head_dim, window, keep, sinks):
-    monkeypatch.setattr(blockwise, "BLOCK", 32)  # several blocks even for short histories
+def test_attention_matches_reference(monkeypatch, spec, head_dim, window, keep, sinks, block):
+    monkeypatch.setattr(blockwise, "BLOCK", block)  # 32: several blocks even for short histories
     mx.random.seed(3)
     cache = CompressedKVCache(spec, start=0, window=window, keep=keep)
     Hq, Hkv = 6, 2  # GQA
@@ -58,3 +59,23 @@ def test_token_layout_view_has_shadow_when_a_chunk_completes_a_block():
     assert shadow.visible(q, 0, 32, None, 0)[10, :11].all().item()
     assert enc.visible(q, 0, 32, None, 0)[31].all().item()
     assert not shadow.visible(q, 0, 32, None, 0)[31].any().item()
+
+
+@pytest.mark.parametrize("block", [None, 32], ids=["stacked", "per-row"])
+def test_batched_decode_attention_matches_per_row(monkeypatch, block):
+    from kvcore.attention import batch_kv_attention
+    from kvcore.cache import BatchCompressedKVCache
+
+    monkeypatch.setattr(blockwise, "BLOCK", block)
+    mx.random.seed(5)
+    rows = [CompressedKVCache(CodecSpec("affine", 4, 32), start=s, window=w, keep=2) for s, w in
+            ((0, None), (40, 64), (0, 48))]
+    for r, n in zip(rows, (10, 50, 90)):
+        r.update_and_fetch(mx.random.normal((1, 2, n, 16)), mx.random.normal((1, 2, n, 16)))
+    batch = BatchCompressedKVCache(rows)
+    q = mx.random.normal((3, 4, 1, 16))
+    view, _ = batch.update_and_fetch(mx.random.normal((3, 2, 1, 16)), mx.random.normal((3, 2, 1, 16)))
+    out = batch_kv_attention(q, view, 0.25)
+    for b, v in enumerate(view.rows):
+        ref = _reference(q[b : b + 1], v, 0.25, None)
+        assert mx.allclose(out[b : b + 1], ref, atol=2e-5, rtol=1e-4).item()

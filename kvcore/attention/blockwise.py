@@ -1,41 +1,61 @@
-"""Portable attention over a KVView: blockwise over the KV length with an online softmax.
+"""Portable attention over a KVView, on every MLX backend (pure MLX ops).
 
-Neither the whole dequantized KV nor the whole score matrix exists at once: each block of
-at most BLOCK columns is decoded, scored and merged into running (max, sum, output)
-accumulators in float32, as in flash attention. Runs on every MLX backend (pure MLX ops).
+Two paths, chosen by size:
+- fused: when one layer's decoded K/V and score matrix are small (FUSED_BYTES), decode every
+  segment and make one `mx.fast.scaled_dot_product_attention` call with a positional mask;
+- blockwise: otherwise, blocks of the KV length are decoded, scored and merged into running
+  (max, sum, output) accumulators in float32 (online softmax, as in flash attention), so
+  neither the whole decoded KV nor the whole score matrix exists at once.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
-from ..cache.view import KVView
+from ..cache.view import SHADOW, KVView
 
-BLOCK = 1024
+FUSED_BYTES = 256 * 2**20  # decoded K+V (or scores) of one call above which we go blockwise
+BLOCK_BYTES = 64 * 2**20  # per block of the blockwise path
+BLOCK: int | None = None  # tokens per block; None: from BLOCK_BYTES
 NEG = -1e30
 
 
-def _dense_fast_path(q, view: KVView, scale, sinks):
-    """Everything dense: one fused SDPA call with a positional mask."""
-    segs = view.segments
-    keys = mx.concatenate([s.keys for s in segs], axis=2) if len(segs) > 1 else segs[0].keys
-    vals = mx.concatenate([s.values for s in segs], axis=2) if len(segs) > 1 else segs[0].values
-    if view.window is None and len(segs) == 1 and segs[0].start == 0:
-        mask = "causal" if view.n_queries > 1 else None
-    else:
-        q_pos = view.q_positions
-        mask = mx.concatenate(
-            [s.visible(q_pos, 0, s.length, view.window, view.keep) for s in segs], axis=1
-        )
+def _mask(view: KVView):
+    """None / "causal" when positions make it implicit, else a (N, columns) bool array."""
+    if view.window is None and not any(s.kind == SHADOW for s in view.segments):
+        return None if view.n_queries == 1 else "causal"
+    q_pos = view.q_positions
+    return mx.concatenate([s.visible(q_pos, 0, s.length, view.window, view.keep) for s in view.segments], axis=1)
+
+
+def _fused(q, view: KVView, scale, sinks):
+    """Decode everything, then one fused SDPA call."""
+    parts = [s.dense(0, s.length, q.dtype) for s in view.segments]
+    keys = mx.concatenate([k for k, _ in parts], axis=2) if len(parts) > 1 else parts[0][0]
+    vals = mx.concatenate([v for _, v in parts], axis=2) if len(parts) > 1 else parts[0][1]
     return mx.fast.scaled_dot_product_attention(
-        q, keys.astype(q.dtype), vals.astype(q.dtype), scale=scale, mask=mask, sinks=sinks
+        q, keys.astype(q.dtype), vals.astype(q.dtype), scale=scale, mask=_mask(view), sinks=sinks
     )
+
+
+def _sizes(q, view: KVView) -> tuple[int, int]:
+    """(bytes of decoded K+V per token, bytes of scores per token) for this call."""
+    B, Hq, N, _ = q.shape
+    kv = B * view.heads * (view.head_dim + view.value_dim) * q.dtype.size
+    return kv, B * Hq * N * 4
 
 
 def kv_attention(q: mx.array, view: KVView, scale: float, sinks: mx.array | None = None) -> mx.array:
     """q: (B, Hq, N, D) -> (B, Hq, N, Dv), attending over the view's stored tokens."""
-    if view.all_dense():
-        return _dense_fast_path(q, view, scale, sinks)
+    kv, sc = _sizes(q, view)
+    T = view.shape[2]
+    if BLOCK is None and T * max(kv, sc) <= FUSED_BYTES:
+        return _fused(q, view, scale, sinks)
+    block = BLOCK or max(256, BLOCK_BYTES // max(kv, sc) // 128 * 128)
+    return _blockwise(q, view, scale, sinks, block)
+
+
+def _blockwise(q: mx.array, view: KVView, scale: float, sinks, block: int) -> mx.array:
     B, Hq, N, D = q.shape
     Hkv, Dv = view.heads, view.value_dim
     rep = Hq // Hkv
@@ -49,8 +69,8 @@ def kv_attention(q: mx.array, view: KVView, scale: float, sinks: mx.array | None
         l = mx.ones_like(l)
     q_pos = view.q_positions
     for seg in view.segments:
-        for lo in range(0, seg.length, BLOCK):
-            hi = min(lo + BLOCK, seg.length)
+        for lo in range(0, seg.length, block):
+            hi = min(lo + block, seg.length)
             mask = seg.visible(q_pos, lo, hi, view.window, view.keep)  # (N, T)
             k, v = seg.dense(lo, hi, q.dtype)  # (B, Hkv, T, D)
             s = (qg @ k[:, :, None].swapaxes(-1, -2)).astype(mx.float32)  # (B, Hkv, rep, N, T)
@@ -84,9 +104,42 @@ def reference_attention(q, keys, values, scale, mask=None, sinks=None):
     return (w @ v).astype(q.dtype)
 
 
+def _decoded(view: KVView, dtype) -> tuple[mx.array, mx.array]:
+    parts = [s.dense(0, s.length, dtype) for s in view.segments]
+    if len(parts) == 1:
+        return parts[0]
+    return mx.concatenate([k for k, _ in parts], axis=2), mx.concatenate([v for _, v in parts], axis=2)
+
+
+def _stacked_decode(q: mx.array, view, scale: float, sinks) -> mx.array:
+    """One query per row: decode each row, left-pad to a common length, one fused SDPA call."""
+    rows = [_decoded(v, q.dtype) for v in view.rows]
+    T = max(k.shape[2] for k, _ in rows)
+    keys, vals, masks = [], [], []
+    for (k, v), rv in zip(rows, view.rows):
+        pad = T - k.shape[2]
+        m = _mask(rv)
+        m = mx.ones((1, k.shape[2]), dtype=mx.bool_) if m is None else m  # (1, T_row)
+        if pad:
+            k = mx.pad(k, [(0, 0), (0, 0), (pad, 0), (0, 0)])
+            v = mx.pad(v, [(0, 0), (0, 0), (pad, 0), (0, 0)])
+            m = mx.concatenate([mx.zeros((1, pad), dtype=mx.bool_), m], axis=1)
+        keys.append(k)
+        vals.append(v)
+        masks.append(m)
+    mask = mx.stack(masks)[:, None]  # (B, 1, 1, T)
+    return mx.fast.scaled_dot_product_attention(
+        q, mx.concatenate(keys), mx.concatenate(vals), scale=scale, mask=mask, sinks=sinks
+    )
+
+
 def batch_kv_attention(q: mx.array, view, scale: float, sinks: mx.array | None = None) -> mx.array:
     """q: (B, Hq, N, D) over a BatchKVView: each row attends over its own stored tokens."""
     B, Hq, N, _ = q.shape
+    if N == 1 and B > 1 and BLOCK is None and all(v is not None for v in view.rows):
+        kv, _ = _sizes(q[:1], view.rows[0])
+        if B * max(v.shape[2] for v in view.rows) * kv <= 4 * FUSED_BYTES:
+            return _stacked_decode(q, view, scale, sinks)
     Dv = next(v.value_dim for v in view.rows if v is not None)
     outs = []
     for b, (v, skip) in enumerate(zip(view.rows, view.skips)):

@@ -80,9 +80,6 @@ class KVView:
     def q_positions(self) -> mx.array:
         return mx.arange(self.q_start, self.q_start + self.n_queries)
 
-    def all_dense(self) -> bool:
-        return all(s.kind == DENSE for s in self.segments)
-
 
 @dataclass
 class BatchKVView:

@@ -62,6 +62,7 @@ class BatchEngine:
         self.decode_time = 0.0  # wall seconds inside decode steps
         self.decoded = 0  # tokens produced by decode steps
         self.peak_kv: dict = {}  # kv_summary of the running caches when they held the most
+        self.queued: mx.array | None = None  # next step's tokens (B,), computing while we read these
 
     # -- public ---------------------------------------------------------------
     def run(self, requests: list[Request]) -> list[Completion]:
@@ -134,6 +135,10 @@ class BatchEngine:
     def _join(self, row: Row) -> None:
         if row.out.finish_reason:
             return  # finished on its first token: never joins
+        if self.queued is not None:  # settle the queued step before the batch changes shape
+            out, self.queued = self.queued, None
+            self._consume(out, time.perf_counter())
+            self._drop_finished()
         merged = [type(c).merge([c]) for c in row.caches]
         if self.caches is None:
             self.caches = merged
@@ -144,11 +149,25 @@ class BatchEngine:
         self.running.append(row)
 
     # -- decode ---------------------------------------------------------------
-    def _decode_step(self) -> None:
+    def _decode_step(self, pipeline: bool = True) -> None:
+        """One token for every running row. With `pipeline`, the following step is queued on
+        the (lazy) sampled tokens before they are read back, as mlx-lm's generate_step does;
+        a row that finishes meanwhile only wastes its share of that step."""
         t0 = time.perf_counter()
-        y = mx.array([[r.next_token] for r in self.running])  # (B, 1)
-        logits = forward(self.model, y, self.caches)[:, -1, :]
-        toks = self._sample(logits).tolist()
+        out = self.queued
+        if out is None:
+            out = self._step(mx.array([[r.next_token] for r in self.running]))
+        self.queued = self._step(out[:, None]) if pipeline else None
+        if self.queued is not None:
+            mx.async_eval(self.queued)
+        self._consume(out, t0)
+
+    def _step(self, y: mx.array) -> mx.array:
+        """y: (B, 1) -> sampled next tokens (B,), lazily."""
+        return self._sample(forward(self.model, y, self.caches)[:, -1, :])
+
+    def _consume(self, out: mx.array, t0: float) -> None:
+        toks = out.tolist()
         self.decode_time += time.perf_counter() - t0
         self.decoded += len(toks)
         self.trace.append(("decode", tuple(r.request.id for r in self.running)))
@@ -195,7 +214,10 @@ class BatchEngine:
             return
         self.running = [self.running[i] for i in keep]
         if not self.running:
-            self.caches = None
+            self.caches = self.queued = None
             return
+        idx = mx.array(keep)
         for c in self.caches:
-            c.filter(mx.array(keep))
+            c.filter(idx)
+        if self.queued is not None:
+            self.queued = self.queued[idx]

@@ -34,7 +34,8 @@ def default_kv_budget() -> int:
     """The GPU's recommended working set, or half of RAM on CPU."""
     if mx.default_device() != mx.cpu:
         info = mx.device_info()
-        if "max_recommended_working_set_size" in info:
+        if "max_recommended_working_set_size" in info:  # Metal
             return int(info["max_recommended_working_set_size"])
-        return int(info.get("memory_size", 0) * 0.8)
+        total = info.get("memory_size") or info.get("total_memory") or 0  # CUDA reports total_memory
+        return int(int(total) * 0.8)
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2)
