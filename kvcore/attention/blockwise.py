@@ -1,8 +1,9 @@
 """Portable attention over a KVView, on every MLX backend (pure MLX ops).
 
 Two paths, chosen by size:
-- fused: when one layer's decoded K/V and score matrix are small (FUSED_BYTES), decode every
-  segment and make one `mx.fast.scaled_dot_product_attention` call with a positional mask;
+- fused: when one layer's decoded K/V is small (FUSED_BYTES), decode every segment and make
+  one `mx.fast.scaled_dot_product_attention` call with a positional mask (the fused kernel
+  does not materialize the score matrix);
 - blockwise: otherwise, blocks of the KV length are decoded, scored and merged into running
   (max, sum, output) accumulators in float32 (online softmax, as in flash attention), so
   neither the whole decoded KV nor the whole score matrix exists at once.
@@ -49,7 +50,7 @@ def kv_attention(q: mx.array, view: KVView, scale: float, sinks: mx.array | None
     """q: (B, Hq, N, D) -> (B, Hq, N, Dv), attending over the view's stored tokens."""
     kv, sc = _sizes(q, view)
     T = view.shape[2]
-    if BLOCK is None and T * max(kv, sc) <= FUSED_BYTES:
+    if BLOCK is None and T * kv <= FUSED_BYTES:
         return _fused(q, view, scale, sinks)
     block = BLOCK or max(256, BLOCK_BYTES // max(kv, sc) // 128 * 128)
     return _blockwise(q, view, scale, sinks, block)
