@@ -79,6 +79,7 @@ def main():
                 emit("results.jsonl", {"step": "speed", "engine": "mlxkv", "scheme": name, "context": context,
                                        "batch": batch, **r})
                 if bits is None:  # mlx-lm's quantized KV fails on CUDA: shown once above
+                    measure_mlx_lm(model, None, 64, [q[:256] for q in prompts[:1]], 4)  # warm-up
                     r = measure_mlx_lm(model, bits, 64, prompts, a.gen)
                     emit("results.jsonl", {"step": "speed", "engine": "mlx-lm", "scheme": name, "context": context,
                                            "batch": batch, **r})
