@@ -22,9 +22,11 @@ def build_app():
 
     from kvcore import __version__
 
+    from .bench import bench
     from .convert_kv import convert_kv
     from .convert_model import convert_model
     from .errors import MlxkvGroup
+    from .fit import fit
     from .generate import generate
     from .inspect_cache import inspect_cache
 
@@ -48,6 +50,8 @@ def build_app():
     app.command("convert-kv")(convert_kv)
     app.command("inspect-cache")(inspect_cache)
     app.command("convert-model")(convert_model)
+    app.command("bench")(bench)
+    app.command("fit")(fit)
     return app
 
 

@@ -50,6 +50,7 @@ def measure_mlxkv(model, policy: KVPolicy, prompts: list[list[int]], gen: int, p
         "decode_tps_per_row": steps / decode_time if decode_time else 0.0,
         "peak_memory_gb": mx.get_peak_memory() / 1e9, "kv_bytes": kv.get("kv_bytes"),
         "bits_per_element": kv.get("bits_per_element"), "wall_s": wall, "attention_path": stats.path,
+        "tokens": sum(len(c.token_ids) for c in out), "decode_steps": steps,
     }
 
 
@@ -69,6 +70,7 @@ def measure_mlx_lm(model, kv_bits: int | None, group: int, prompts: list[list[in
             next(it)
             t1 = time.perf_counter()
             n = sum(1 for _ in it)
+            tokens = n + 1
         else:
             bg = g.BatchGenerator(model, stop_tokens=[], completion_batch_size=len(prompts),
                                   prefill_batch_size=len(prompts), prefill_step_size=prefill_chunk)
@@ -79,10 +81,11 @@ def measure_mlx_lm(model, kv_bits: int | None, group: int, prompts: list[list[in
             while responses := bg.next_generated():
                 n += len(responses)
             bg.close()
+            tokens = n + len(prompts)
         mx.synchronize()
         t2 = time.perf_counter()
     except Exception as e:  # the baseline's failure is a result: shown, never hidden
         return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
     return {"prefill_tps": sum(len(p) for p in prompts) / (t1 - t0), "ttft_s": t1 - t0,
             "decode_tps": n / (t2 - t1), "decode_tps_per_row": n / len(prompts) / (t2 - t1),
-            "peak_memory_gb": mx.get_peak_memory() / 1e9}
+            "peak_memory_gb": mx.get_peak_memory() / 1e9, "tokens": tokens}

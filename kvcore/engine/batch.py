@@ -157,7 +157,8 @@ class BatchEngine:
         out = self.queued
         if out is None:
             out = self._step(mx.array([[r.next_token] for r in self.running]))
-        self.queued = self._step(out[:, None]) if pipeline else None
+        more = any(len(r.out.token_ids) + 1 < r.request.max_tokens for r in self.running)
+        self.queued = self._step(out[:, None]) if pipeline and more else None
         if self.queued is not None:
             mx.async_eval(self.queued)
         self._consume(out, t0)

@@ -1,0 +1,85 @@
+"""`mlxkv bench`: the KV scheme x context x batch grid, mlxkv beside mlx-lm."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from kvcore.backend import backend_name, versions
+from kvcore.bench import build_random_model
+from kvcore.bench.bandwidth import copy_bandwidth
+from kvcore.bench.grid import BenchConfig, run_grid
+from kvcore.errors import MlxkvError
+from kvcore.models import load_model, parse_dtype
+
+from . import bench_output
+from .options import DtypeOpt, JsonOpt, ModelOpt
+
+
+def _ints(text: str, what: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise MlxkvError(f"{what}: expected comma-separated integers, got {text!r}")
+
+
+def bench(
+    model: ModelOpt = None,
+    shape: Annotated[Optional[str], typer.Option(help="Random-weight model of a named shape (llama-8b, qwen3-4b, gemma3-12b, ...).")] = None,
+    weight_bits: Annotated[str, typer.Option(help="With --shape: full, 8 or 4.")] = "full",
+    dtype: DtypeOpt = None,
+    kv: Annotated[str, typer.Option(help="Comma-separated KV schemes: full, affine:8, affine:4, affine:4/g32.")] = "full,affine:8,affine:4",
+    context: Annotated[str, typer.Option(help="Comma-separated prompt lengths.")] = "512",
+    batch: Annotated[str, typer.Option(help="Comma-separated row counts.")] = "1",
+    gen: Annotated[int, typer.Option(help="Tokens generated per row.")] = 64,
+    repeats: Annotated[int, typer.Option(help="Timed repeats per case (after one warm-up).")] = 3,
+    seed: Annotated[int, typer.Option(help="Seed of the random-token prompts.")] = 0,
+    no_baseline: Annotated[bool, typer.Option("--no-baseline", help="Skip mlx-lm's rows.")] = False,
+    output: Annotated[Optional[Path], typer.Option(help="Write the JSON report here.")] = None,
+    csv: Annotated[Optional[Path], typer.Option(help="Write the rows as CSV here.")] = None,
+    plot: Annotated[Optional[Path], typer.Option(help="PNG: decode tok/s and peak memory against context.")] = None,
+    json_out: JsonOpt = False,
+):
+    """Benchmark KV schemes side by side with mlx-lm."""
+    cfg = BenchConfig(tuple(s.strip() for s in kv.split(",") if s.strip()), _ints(context, "--context"),
+                      _ints(batch, "--batch"), gen, repeats, seed, not no_baseline)
+    if plot is not None:
+        bench_output.require_matplotlib()
+    if shape and model:
+        raise MlxkvError("give either -m/--model or --shape, not both")
+    if shape:
+        bits = {"full": None, "8": 8, "4": 4}.get(weight_bits)
+        if weight_bits not in ("full", "8", "4"):
+            raise MlxkvError(f"--weight-bits must be full, 8 or 4, got {weight_bits!r}")
+        net, config = build_random_model(shape, bits, parse_dtype(dtype or "bfloat16"))
+        source, weights = f"shape:{shape}", "random"
+    else:
+        lm = load_model(model, dtype)
+        net, config, source, weights = lm.model, lm.config, lm.source, "trained"
+    vocab = config.get("text_config", config)["vocab_size"]
+    bandwidth = copy_bandwidth()
+    n_cases = len(cfg.schemes) * len(cfg.contexts) * len(cfg.batches) * (2 if cfg.baseline else 1)
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), TimeRemainingColumn(), console=bench_output.err, transient=True) as bar:
+        task = bar.add_task("bench", total=n_cases)
+
+        def progress(label: str):
+            bar.update(task, description=label, advance=0 if bar.tasks[0].description == "bench" else 1)
+
+        rows = run_grid(net, vocab, cfg, progress, bandwidth)
+        bar.update(task, completed=n_cases)
+    report = {"meta": {"model": source, "weights": weights, "backend": backend_name(),
+                       "copy_bandwidth_gbs": round(bandwidth / 1e9, 1), "date": time.strftime("%Y-%m-%d"),
+                       "gen": gen, "repeats": repeats, **versions()},
+              "rows": bench_output.ratios(rows)}
+    bench_output.render(report, json_out)
+    if output:
+        bench_output.write_json(output, report)
+    if csv:
+        bench_output.write_csv(csv, report["rows"])
+    if plot:
+        bench_output.write_plot(plot, report)

@@ -1,0 +1,121 @@
+"""bench and fit: values cross-checked, baseline rows present, files written."""
+
+import builtins
+import csv
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from kvcore.bench import SHAPES
+from kvcore.bench.fit import fit_table, plan_from_config, weight_bytes_from_config
+from kvcore.bench.grid import scheme_policy
+from kvcore.engine.memory import row_kv_bytes
+from mlxkv_cli.main import build_app
+
+runner = CliRunner()
+
+
+def bench(*args):
+    r = runner.invoke(build_app(), ["bench", *args, "--gen", "4", "--repeats", "1", "--json"])
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout)
+
+
+def test_bench_rows_are_cross_checked(tiny_models, tmp_path):
+    """qwen3 fixture: head_dim 64, so mlx-lm can quantize one row and codec arithmetic is exact."""
+    rep = bench("-m", str(tiny_models("qwen3")), "--kv", "full,affine:8,affine:4", "--context", "64",
+                "--batch", "1,2", "--csv", str(tmp_path / "b.csv"), "--output", str(tmp_path / "b.json"))
+    rows = {(r["scheme"], r["batch"], r["engine"]): r for r in rep["rows"]}
+    assert len(rows) == 12
+    layers, kv_heads, head_dim = 2, 2, 64
+    for (scheme, batch, engine), r in rows.items():
+        if engine == "mlx-lm" and batch > 1 and scheme != "full":
+            assert "cannot quantize" in r["error"]  # shown, not hidden
+            continue
+        assert "error" not in r, r
+        assert r["tokens"] == batch * 4  # what was asked for, EOS or not
+        if engine == "mlxkv":
+            tokens = 64 + 4 - 1  # the last sampled token is never fed back
+            bits = {"full": 32, "affine:8": 8.5, "affine:4": 4.5}[scheme]
+            assert r["bits_per_element"] == bits
+            assert r["kv_bytes"] == batch * tokens * layers * kv_heads * head_dim * 2 * bits / 8
+            assert r["bytes_per_step"] > r["kv_bytes"]
+    assert rows[("affine:4", 1, "mlxkv")]["vs_mlx_lm"] > 0
+    with open(tmp_path / "b.csv") as f:
+        assert len(list(csv.DictReader(f))) == 12
+    assert json.loads((tmp_path / "b.json").read_text())["rows"] == rep["rows"]
+
+
+def test_bench_default_model_shows_mlx_lm_failing(tmp_path):
+    rep = bench("--kv", "full,affine:4", "--context", "32", "--batch", "1")
+    by = {(r["scheme"], r["engine"]): r for r in rep["rows"]}
+    assert "divisible by the quantization group" in by[("affine:4", "mlx-lm")]["error"]
+    assert "error" not in by[("full", "mlx-lm")] and "error" not in by[("affine:4", "mlxkv")]
+    assert rep["meta"]["weights"] == "trained"
+
+
+def test_bench_plot_needs_matplotlib(monkeypatch, tmp_path):
+    real = builtins.__import__
+
+    def no_mpl(name, *a, **k):
+        if name.startswith("matplotlib"):
+            raise ImportError(name)
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_mpl)
+    r = runner.invoke(build_app(), ["bench", "--plot", str(tmp_path / "p.png"), "--context", "16"])
+    assert r.exit_code == 1 and "mlxkv[plot]" in r.stderr and not (tmp_path / "p.png").exists()
+
+
+def test_bench_plot_written(tmp_path):
+    pytest.importorskip("matplotlib")
+    r = runner.invoke(build_app(), ["bench", "--kv", "full", "--context", "16,32", "--gen", "3", "--repeats", "1",
+                                    "--plot", str(tmp_path / "p.png"), "--json"])
+    assert r.exit_code == 0 and (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--kv", "zip:3"], "unknown KV scheme"),
+    (["--context", "a,b"], "comma-separated integers"),
+    (["--shape", "nope"], "unknown shape"),
+    (["--batch", "0"], "positive integers"),
+])
+def test_bench_bad_input(args, message):
+    r = runner.invoke(build_app(), ["bench", *args])
+    assert r.exit_code == 1 and message in r.stderr
+
+
+def test_fit_arithmetic_by_hand():
+    cfg = SHAPES["llama-8b"]  # 32 layers, 8 KV heads, head_dim 128
+    per_token_bf16 = 32 * 8 * 128 * 2 * 2  # K and V, 2 bytes each = 131072
+    plans = plan_from_config(cfg, scheme_policy("full"))
+    assert row_kv_bytes(cfg, plans, 1000, 2) == 1000 * per_token_bf16
+    plans4 = plan_from_config(cfg, scheme_policy("affine:4"))
+    assert row_kv_bytes(cfg, plans4, 1000, 2) == 1000 * 32 * 8 * 128 * 2 * 4.5 / 8
+    budget, weights = 40 * 2**30, 16 * 2**30
+    rows = fit_table(cfg, {"full": scheme_policy("full")}, budget, weights, [1, 4], [32768])
+    free = budget - weights
+    assert rows[0].max_context == min(free // per_token_bf16, 131072)
+    assert rows[1].max_context == free // (4 * per_token_bf16)
+    assert rows[2].max_batch == free // (32768 * per_token_bf16)
+
+
+def test_fit_sliding_layers_cap_at_the_window():
+    cfg = SHAPES["gemma3-12b"]
+    plans = plan_from_config(cfg, scheme_policy("full"))
+    assert sum(p.window == 1024 for p in plans) == 40 and sum(p.window is None for p in plans) == 8
+    a, b = row_kv_bytes(cfg, plans, 10_000, 2), row_kv_bytes(cfg, plans, 20_000, 2)
+    assert b - a == 10_000 * 8 * 8 * 256 * 2 * 2  # only the 8 global layers grow
+
+
+def test_fit_cli(tmp_path):
+    r = runner.invoke(build_app(), ["fit", "--shape", "llama-8b", "--memory", "24GB", "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["budget_bytes"] == 24 * 10**9
+    assert out["weight_bytes"] == weight_bytes_from_config(SHAPES["llama-8b"], None)
+    ctx = {row["scheme"]: row["max_context"] for row in out["rows"] if row.get("batch") == 4}
+    assert ctx["affine:4"] > 3 * ctx["full"]
+    r = runner.invoke(build_app(), ["fit", "--memory", "lots"])
+    assert r.exit_code == 1 and "cannot read 'lots'" in r.stderr
