@@ -56,9 +56,24 @@ def kv_attention(q: mx.array, view: KVView, scale: float, sinks: mx.array | None
     return _blockwise(q, view, scale, sinks, block)
 
 
+def _segment_blocks(q, view: KVView, block: int):
+    """(keys, values, mask) per block of each segment; mask (N, T)."""
+    q_pos = view.q_positions
+    for seg in view.segments:
+        for lo in range(0, seg.length, block):
+            hi = min(lo + block, seg.length)
+            k, v = seg.dense(lo, hi, q.dtype)
+            yield k, v, seg.visible(q_pos, lo, hi, view.window, view.keep)
+
+
 def _blockwise(q: mx.array, view: KVView, scale: float, sinks, block: int) -> mx.array:
+    return online_softmax(q, _segment_blocks(q, view, block), view.heads, view.value_dim, scale, sinks)
+
+
+def online_softmax(q: mx.array, blocks, Hkv: int, Dv: int, scale: float, sinks) -> mx.array:
+    """Merge attention over blocks of (keys (B, Hkv, T, D), values, mask broadcastable to
+    (B, 1, N, T) or (N, T)) with running (max, sum, output) accumulators in float32."""
     B, Hq, N, D = q.shape
-    Hkv, Dv = view.heads, view.value_dim
     rep = Hq // Hkv
     qg = (q * scale).reshape(B, Hkv, rep, N, D)
     m = mx.full((B, Hkv, rep, N, 1), NEG, dtype=mx.float32)  # running max
@@ -68,22 +83,33 @@ def _blockwise(q: mx.array, view: KVView, scale: float, sinks, block: int) -> mx
         # a sink is one extra logit per query head with no value: it only adds to the sum
         m = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, Hkv, rep, 1, 1), m.shape)
         l = mx.ones_like(l)
-    q_pos = view.q_positions
-    for seg in view.segments:
-        for lo in range(0, seg.length, block):
-            hi = min(lo + block, seg.length)
-            mask = seg.visible(q_pos, lo, hi, view.window, view.keep)  # (N, T)
-            k, v = seg.dense(lo, hi, q.dtype)  # (B, Hkv, T, D)
-            s = (qg @ k[:, :, None].swapaxes(-1, -2)).astype(mx.float32)  # (B, Hkv, rep, N, T)
-            s = mx.where(mask, s, NEG)
-            m_new = mx.maximum(m, s.max(axis=-1, keepdims=True))
-            p = mx.where(mask, mx.exp(s - m_new), 0.0)
-            corr = mx.exp(m - m_new)
-            l = l * corr + p.sum(axis=-1, keepdims=True)
-            acc = acc * corr + p @ v[:, :, None].astype(mx.float32)
-            m = m_new
+    for k, v, mask in blocks:
+        if mask.ndim == 4:  # (B, 1, N, T) -> (B, 1, 1, N, T)
+            mask = mask[:, :, None]
+        s = (qg @ k[:, :, None].swapaxes(-1, -2)).astype(mx.float32)  # (B, Hkv, rep, N, T)
+        s = mx.where(mask, s, NEG)
+        m_new = mx.maximum(m, s.max(axis=-1, keepdims=True))
+        p = mx.where(mask, mx.exp(s - m_new), 0.0)
+        corr = mx.exp(m - m_new)
+        l = l * corr + p.sum(axis=-1, keepdims=True)
+        acc = acc * corr + p @ v[:, :, None].astype(mx.float32)
+        m = m_new
     out = acc / mx.maximum(l, 1e-30)
     return out.reshape(B, Hq, N, Dv).astype(q.dtype)
+
+
+def packed_attention(q: mx.array, view, scale: float, sinks: mx.array | None = None) -> mx.array:
+    """q: (B, Hq, N, D) over a PackedView: every row in one call, masked by its own length."""
+    B = q.shape[0]
+    kv, _ = _sizes(q[:1], view)
+    L = view.length
+    if BLOCK is None and B * L * kv <= 4 * FUSED_BYTES:
+        k, v = view.dense(0, L, q.dtype)
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=view.visible(0, L), sinks=sinks)
+    block = BLOCK or max(256, BLOCK_BYTES // (B * kv) // 128 * 128)
+    blocks = ((*view.dense(lo, min(lo + block, L), q.dtype), view.visible(lo, min(lo + block, L)))
+              for lo in range(0, L, block))
+    return online_softmax(q, blocks, view.heads, view.value_dim, scale, sinks)
 
 
 def reference_attention(q, keys, values, scale, mask=None, sinks=None):

@@ -18,7 +18,8 @@ from mlx_lm.models import base as mlx_base
 
 from ..cache.view import BatchKVView, KVView
 from ..errors import MlxkvError
-from .blockwise import batch_kv_attention, kv_attention
+from ..cache.packed import PackedView
+from .blockwise import batch_kv_attention, kv_attention, packed_attention
 
 _ORIGINAL = mlx_base.scaled_dot_product_attention
 _ACTIVE: list["AttentionStats"] = []  # innermost context last
@@ -40,6 +41,9 @@ def _sdpa(queries, keys, values, cache, scale, mask, sinks=None):
     if isinstance(keys, KVView):
         stats.compressed_calls += 1
         return kv_attention(queries, keys, scale, sinks)
+    if isinstance(keys, PackedView):
+        stats.compressed_calls += 1
+        return packed_attention(queries, keys, scale, sinks)
     if isinstance(keys, BatchKVView):
         stats.compressed_calls += 1
         return batch_kv_attention(queries, keys, scale, sinks)

@@ -12,6 +12,9 @@ prompts [1 3 5], [7], [2 6 8 9]  ->  columns  [0 1 3 5]   left_padding = [1, 3, 
 The padding columns of an update are dropped per row before storing; `offset` is the
 per-row RoPE position of the update's first column (negative inside padding), as mlx-lm
 models expect from a batch cache.
+
+When every row is a plain full-attention, per-token layer (see `packed.py`), the rows are
+packed into shared buffers so one set of ops serves the whole batch; `rows` unpacks.
 """
 
 from __future__ import annotations
@@ -20,32 +23,64 @@ import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
 
 from .compressed import CompressedKVCache
+from .packed import PackedRows
 from .view import BatchKVView
 
 
 class BatchCompressedKVCache(_BaseCache):
     def __init__(self, rows: list[CompressedKVCache]):
-        self.rows = list(rows)
-        self._pad = [0] * len(self.rows)  # padding columns still to come, per row
+        self._rows = list(rows)
+        self.packed: PackedRows | None = None
+        self._pad = [0] * len(self._rows)  # padding columns still to come, per row
+
+    # -- storage modes --------------------------------------------------------
+    @property
+    def rows(self) -> list[CompressedKVCache]:
+        """The row caches (unpacking the shared buffers if they are packed)."""
+        if self.packed is not None:
+            self._rows, self.packed = self.packed.unpack(), None
+        return self._rows
+
+    @property
+    def live_rows(self) -> list[CompressedKVCache]:
+        """Rows that may still change storage form (conversion); packed rows never do."""
+        return [] if self.packed is not None else self._rows
+
+    def _maybe_pack(self) -> None:
+        if self.packed is None and not any(self._pad) and len(self._rows) > 1:
+            self.packed = PackedRows.pack(self._rows)
+            if self.packed is not None:
+                self._rows = []
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.packed.lengths) if self.packed is not None else len(self._rows)
 
     # -- protocol -----------------------------------------------------------
     @property
     def offset(self) -> mx.array:
-        return mx.array([r.offset - p for r, p in zip(self.rows, self._pad)])
+        if self.packed is not None:
+            return mx.array(self.packed.lengths)
+        return mx.array([r.offset - p for r, p in zip(self._rows, self._pad)])
 
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None, **kwargs):
         if right_padding is not None and max(right_padding) > 0:
             raise ValueError("right padding is not supported; pad prompts on the left")
         if left_padding is not None:
-            self._pad = [p + int(x) for p, x in zip(self._pad, left_padding)]
+            rows = self.rows
+            self._pad = [p + int(x) for p, x in zip(self._pad or [0] * len(rows), left_padding)]
 
     def finalize(self):
-        self._pad = [0] * len(self.rows)
+        self._pad = [0] * self.batch_size
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
+        self._maybe_pack()
+        if self.packed is not None:
+            view = self.packed.update_and_fetch(keys, values)
+            return view, view
         N = keys.shape[2]
         views, skips = [], []
-        for b, row in enumerate(self.rows):
+        for b, row in enumerate(self._rows):
             skip = min(N, self._pad[b])
             self._pad[b] -= skip
             skips.append(skip)
@@ -64,43 +99,54 @@ class BatchCompressedKVCache(_BaseCache):
         return True
 
     def trim(self, n: int) -> int:
-        return min(self.trim_rows([n] * len(self.rows)), default=0)
+        return min(self.trim_rows([n] * self.batch_size), default=0)
 
     def trim_rows(self, ns: list[int]) -> list[int]:
         """Roll each row back by its own count; returns what each row could trim."""
-        return [r.trim(int(n)) if n else 0 for r, n in zip(self.rows, ns)]
+        if self.packed is not None:
+            return self.packed.trim_rows(ns)
+        return [r.trim(int(n)) if n else 0 for r, n in zip(self._rows, ns)]
 
     def size(self) -> int:
-        return max((r.size() for r in self.rows), default=0)
+        if self.packed is not None:
+            return max(self.packed.lengths, default=0)
+        return max((r.size() for r in self._rows), default=0)
 
     def empty(self) -> bool:
-        return all(r.empty() for r in self.rows)
+        return self.packed is None and all(r.empty() for r in self._rows)
 
     @property
     def state(self) -> tuple:
-        return tuple(a for r in self.rows for a in r.state)
+        if self.packed is not None:
+            return self.packed.state
+        return tuple(a for r in self._rows for a in r.state)
 
     @property
     def nbytes(self) -> int:
-        return sum(r.nbytes for r in self.rows)
+        return self.packed.nbytes if self.packed is not None else sum(r.nbytes for r in self._rows)
 
     @property
     def elements(self) -> int:
-        return sum(r.elements for r in self.rows)
+        return self.packed.elements if self.packed is not None else sum(r.elements for r in self._rows)
 
     @property
     def converted(self) -> bool:
-        return any(r.converted for r in self.rows)
+        if self.packed is not None:
+            return self.packed.template.converted
+        return any(r.converted for r in self._rows)
 
     # -- batch protocol -----------------------------------------------------
     def filter(self, batch_indices) -> None:
         idx = batch_indices.tolist() if isinstance(batch_indices, mx.array) else list(batch_indices)
-        self.rows = [self.rows[i] for i in idx]
-        self._pad = [self._pad[i] for i in idx]
+        if self.packed is not None:
+            self.packed.filter(idx)
+        else:
+            self._rows = [self._rows[i] for i in idx]
+        self._pad = [self._pad[i] for i in idx] if self._pad else []
 
     def extend(self, other: "BatchCompressedKVCache") -> None:
-        self.rows += other.rows
-        self._pad += other._pad
+        self._pad = (self._pad or [0] * self.batch_size) + (other._pad or [0] * other.batch_size)
+        self._rows = self.rows + other.rows  # repacked at the next update
 
     def extract(self, idx: int) -> CompressedKVCache:
         return self.rows[idx]

@@ -21,7 +21,7 @@ def compressed(caches: list) -> list[CompressedKVCache]:
     out = []
     for c in caches:
         if isinstance(c, BatchCompressedKVCache):
-            out.extend(c.rows)
+            out.extend(c.live_rows)
         elif isinstance(c, CompressedKVCache):
             out.append(c)
     return out

@@ -1,0 +1,161 @@
+"""PackedRows: the rows of a batch cache in shared, right-padded buffers, for fast decode.
+
+When every row of a layer is a full-attention cache that stores each token on its own
+(already-converted per-token codec, or plain full precision), the rows are packed:
+
+```
+parts[i]: (B, H, capacity, ...)   row b holds its tokens at [0, lengths[b]); the rest is spare
+```
+One quantize, one scatter per part, one decode and one attention call per layer then serve
+every row, whatever B is. Anything else (windows, token-grouped codecs, rows not yet
+converted, left-padded prefill) keeps the row-by-row storage; `unpack` gives rows back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from .compressed import CompressedKVCache
+
+STEP = 256
+
+
+def packable(row: CompressedKVCache) -> bool:
+    if row.window is not None or row._dims is None or row.sink.n or row.enc_start != 0:
+        return False
+    if row.key_codec is None and row.value_codec is None:
+        return row.enc.n == 0 and row.tail_start == 0  # plain full precision, all in the tail
+    return (row.key_codec is not None and row.value_codec is not None and row.converted
+            and row.block_tokens == 1 and row.tail.n == 0)
+
+
+def _signature(row: CompressedKVCache):
+    return (row.key_spec, row.value_spec, row._dims, getattr(row, "_n_key_parts", None))
+
+
+@dataclass
+class PackedView:
+    """What a packed layer hands to attention: decoded on demand, masked by row lengths."""
+
+    key_parts: tuple
+    value_parts: tuple
+    key_codec: object
+    value_codec: object
+    q_start: mx.array  # (B,) position of each row's first query
+    n_queries: int
+    length: int  # columns: the longest row
+    heads: int
+    head_dim: int
+    value_dim: int
+
+    @property
+    def shape(self):
+        return (self.key_parts[0].shape[0], self.heads, self.length, self.head_dim)
+
+    def dense(self, lo: int, hi: int, dtype) -> tuple[mx.array, mx.array]:
+        def dec(codec, parts):
+            sl = tuple(p[:, :, lo:hi] for p in parts)
+            return sl[0] if codec is None else codec.decode(sl, dtype)
+
+        return dec(self.key_codec, self.key_parts), dec(self.value_codec, self.value_parts)
+
+    def visible(self, lo: int, hi: int) -> mx.array:
+        """(B, 1, N, hi-lo): causal per row; columns past a row's tokens are never visible."""
+        q = self.q_start[:, None] + mx.arange(self.n_queries)[None]  # (B, N)
+        j = mx.arange(lo, hi)
+        return (j[None, None, :] <= q[:, :, None])[:, None]
+
+
+class PackedRows:
+    def __init__(self, template: CompressedKVCache, parts: tuple, lengths: list[int]):
+        self.template = template  # a row whose specs, codecs and dims every row shares
+        self.parts = parts
+        self.lengths = lengths
+
+    # -- packing ------------------------------------------------------------
+    @classmethod
+    def pack(cls, rows: list[CompressedKVCache]) -> "PackedRows | None":
+        if not rows or not all(packable(r) for r in rows) or len({_signature(r) for r in rows}) > 1:
+            return None
+        buffers = [(r.enc if r.key_codec is not None else r.tail) for r in rows]
+        lengths = [r.offset for r in rows]
+        cap = (max(lengths) + STEP) // STEP * STEP
+        parts = []
+        for i in range(len(buffers[0].get())):
+            cols = []
+            for buf, n in zip(buffers, lengths):
+                p = buf.get()[i]
+                cols.append(mx.pad(p, [(0, 0), (0, 0), (0, cap - n)] + [(0, 0)] * (p.ndim - 3)))
+            parts.append(mx.concatenate(cols, axis=0))
+        return cls(rows[0], tuple(parts), lengths)
+
+    def unpack(self) -> list[CompressedKVCache]:
+        rows = []
+        for b, n in enumerate(self.lengths):
+            t = self.template
+            row = CompressedKVCache(t.key_spec, t.value_spec, t.start or 0)
+            row._dims = (1, *t._dims[1:])
+            row.key_codec, row.value_codec = t.key_codec, t.value_codec
+            row.offset, row.converted = n, t.converted
+            own = tuple(mx.contiguous(p[b : b + 1, :, :n]) for p in self.parts)
+            if t.key_codec is not None:
+                row._n_key_parts = t._n_key_parts
+                row.enc.set(own)
+                row.enc_start, row.tail_start = 0, n
+            else:
+                row.tail.set(own)
+                row.enc_start = row.tail_start = 0
+            rows.append(row)
+        return rows
+
+    # -- decode -------------------------------------------------------------
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> PackedView:
+        """keys: (B, H, N, D), each row's next N tokens, written at its own length."""
+        B, H, N, D = keys.shape
+        t = self.template
+        new = ((keys, values) if t.key_codec is None
+               else (*t.key_codec.encode(keys), *t.value_codec.encode(values)))
+        need = max(self.lengths) + N
+        if need > self.parts[0].shape[2]:
+            grow = (need - self.parts[0].shape[2] + STEP - 1) // STEP * STEP
+            self.parts = tuple(mx.pad(p, [(0, 0), (0, 0), (0, grow)] + [(0, 0)] * (p.ndim - 3))
+                               for p in self.parts)
+        q_start = mx.array(self.lengths)
+        idx = (q_start[:, None] + mx.arange(N)[None]).reshape(B, 1, N)  # (B, 1, N)
+        out = []
+        for p, v in zip(self.parts, new):
+            i = idx.reshape(B, 1, N, *([1] * (p.ndim - 3)))
+            out.append(mx.put_along_axis(p, mx.broadcast_to(i, v.shape), v, axis=2))
+        self.parts = tuple(out)
+        self.lengths = [n + N for n in self.lengths]
+        nk = getattr(t, "_n_key_parts", 1) if t.key_codec is not None else 1
+        L = max(self.lengths)
+        return PackedView(tuple(p for p in self.parts[:nk]), tuple(p for p in self.parts[nk:]),
+                          t.key_codec, t.value_codec, q_start, N, L, H, D, values.shape[-1])
+
+    # -- batch protocol -----------------------------------------------------
+    def filter(self, idx: list[int]) -> None:
+        sel = mx.array(idx)
+        self.parts = tuple(p[sel] for p in self.parts)
+        self.lengths = [self.lengths[i] for i in idx]
+
+    def trim_rows(self, ns: list[int]) -> list[int]:
+        done = [min(int(n), length) for n, length in zip(ns, self.lengths)]
+        self.lengths = [length - n for length, n in zip(self.lengths, done)]
+        return done
+
+    @property
+    def nbytes(self) -> int:
+        cap = self.parts[0].shape[2]
+        return sum(p.nbytes // p.shape[0] // cap * n for p in self.parts for n in self.lengths)
+
+    @property
+    def elements(self) -> int:
+        _, H, D, Dv, _ = self.template._dims
+        return sum(self.lengths) * H * (D + Dv)
+
+    @property
+    def state(self) -> tuple:
+        return self.parts
