@@ -8,9 +8,8 @@ import pytest
 from typer.testing import CliRunner
 
 from kvcore.bench import SHAPES
-from kvcore.bench.fit import fit_table, plan_from_config, weight_bytes_from_config
+from kvcore.bench.fit import fit_table, layer_shapes, row_bytes, weight_bytes_from_config
 from kvcore.bench.grid import scheme_policy
-from kvcore.engine.memory import row_kv_bytes
 from mlxkv_cli.main import build_app
 
 runner = CliRunner()
@@ -89,10 +88,9 @@ def test_bench_bad_input(args, message):
 def test_fit_arithmetic_by_hand():
     cfg = SHAPES["llama-8b"]  # 32 layers, 8 KV heads, head_dim 128
     per_token_bf16 = 32 * 8 * 128 * 2 * 2  # K and V, 2 bytes each = 131072
-    plans = plan_from_config(cfg, scheme_policy("full"))
-    assert row_kv_bytes(cfg, plans, 1000, 2) == 1000 * per_token_bf16
-    plans4 = plan_from_config(cfg, scheme_policy("affine:4"))
-    assert row_kv_bytes(cfg, plans4, 1000, 2) == 1000 * 32 * 8 * 128 * 2 * 4.5 / 8
+    shapes = layer_shapes(cfg)
+    assert row_bytes(shapes, scheme_policy("full"), 1000, 2) == 1000 * per_token_bf16
+    assert row_bytes(shapes, scheme_policy("affine:4"), 1000, 2) == 1000 * 32 * 8 * 128 * 2 * 4.5 / 8
     budget, weights = 40 * 2**30, 16 * 2**30
     rows = fit_table(cfg, {"full": scheme_policy("full")}, budget, weights, [1, 4], [32768])
     free = budget - weights
@@ -103,10 +101,40 @@ def test_fit_arithmetic_by_hand():
 
 def test_fit_sliding_layers_cap_at_the_window():
     cfg = SHAPES["gemma3-12b"]
-    plans = plan_from_config(cfg, scheme_policy("full"))
-    assert sum(p.window == 1024 for p in plans) == 40 and sum(p.window is None for p in plans) == 8
-    a, b = row_kv_bytes(cfg, plans, 10_000, 2), row_kv_bytes(cfg, plans, 20_000, 2)
+    shapes = layer_shapes(cfg)
+    assert sum(s.window == 1024 for s in shapes) == 40 and sum(s.kind == "full-attention" for s in shapes) == 8
+    full = scheme_policy("full")
+    a, b = row_bytes(shapes, full, 10_000, 2), row_bytes(shapes, full, 20_000, 2)
     assert b - a == 10_000 * 8 * 8 * 256 * 2 * 2  # only the 8 global layers grow
+
+
+def test_fit_seed_families_count_only_layers_that_own_kv():
+    g4 = layer_shapes(SHAPES["gemma4-e2b"])  # 35 layers: the last 20 reuse earlier K/V
+    owners = g4[:15]
+    assert all(s.kind == "other" for s in g4[15:])
+    assert [s.kind for s in owners].count("full-attention") == 3  # layers 4, 9, 14
+    assert {s.head_dim for s in owners if s.kind == "full-attention"} == {512}
+    q = layer_shapes(SHAPES["qwen3.5-4b"])  # 1 in 4 layers is attention
+    assert [s.kind for s in q].count("full-attention") == 8 and len(q) == 32
+    assert row_bytes(q, scheme_policy("full"), 100, 2) == 100 * 8 * 4 * 256 * 2 * 2
+
+
+@pytest.mark.parametrize("name", ["gemma4-e2b", "qwen3.5-4b"])
+def test_seed_shapes_build_with_mlx_lm_classes(name, monkeypatch):
+    import kvcore.bench.shapes as shapes
+
+    small = json.loads(json.dumps(SHAPES[name]))
+    c = small.get("text_config", small)
+    c.update(hidden_size=64, intermediate_size=128, num_hidden_layers=8, vocab_size=256)
+    if "vocab_size_per_layer_input" in c or name.startswith("gemma4"):
+        c.update(vocab_size_per_layer_input=256, hidden_size_per_layer_input=8, num_kv_shared_layers=3,
+                 head_dim=16, global_head_dim=32)
+    else:
+        c.update(head_dim=16, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+                 linear_num_value_heads=4, num_attention_heads=4, num_key_value_heads=2)
+    monkeypatch.setitem(shapes.SHAPES, name, small)
+    model, config = shapes.build_random_model(name, None)
+    assert len(model.layers) == 8
 
 
 def test_fit_cli(tmp_path):

@@ -60,10 +60,15 @@ def test_kv_config_naming_an_ssm_layer_is_refused(tmp_path, tiny_models):
         build_caches(model, resolve_policy(KVOptions(kv_config=write(tmp_path, [{"layer_idx": 0, "bits": 4}]))))
 
 
-def test_kv_config_on_a_kv_sharing_model_whose_indices_differ(tmp_path, tiny_models):
+def test_kv_config_on_a_kv_sharing_model(tmp_path, tiny_models):
+    """Gemma 4: cache-owning layers come first, so layer_idx == cache position; shared layers refused."""
     model = load(str(tiny_models("gemma4")))[0]
-    with pytest.raises(MlxkvError, match="cannot be mapped"):
-        build_caches(model, resolve_policy(KVOptions(kv_config=write(tmp_path, [{"layer_idx": 0, "bits": 4}]))))
+    cfg = write(tmp_path, [{"layer_idx": 0, "bits": 4, "group_size": 32}, {"layer_idx": 2, "bits": 8}])
+    caches, plan = build_caches(model, resolve_policy(KVOptions(kv_config=cfg)))
+    assert len(caches) == 3
+    assert [(p.codec.bits, p.kind) for p in plan] == [(4, "window"), (None, "window"), (8, "full-attention")]
+    with pytest.raises(MlxkvError, match="layer_idx 4 is a KV-shared layer"):
+        build_caches(model, resolve_policy(KVOptions(kv_config=write(tmp_path, [{"layer_idx": 4, "bits": 4}]))))
 
 
 def test_shipped_profiles_and_flag_override():

@@ -6,28 +6,60 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..engine.memory import row_kv_bytes
-from ..policy import KVPolicy, LayerPlan
+from ..policy import KVPolicy
 from ..policy.kv_config import load_kv_config
 
 
-def plan_from_config(config: dict, policy: KVPolicy) -> list[LayerPlan]:
-    """The per-layer plan from config.json alone: sliding layers where the config says so."""
-    cfg = config.get("text_config", config)
-    n = cfg["num_hidden_layers"]
-    window = cfg.get("sliding_window")
-    pattern = cfg.get("sliding_window_pattern")
-    types = cfg.get("layer_types")
-    plans = []
+@dataclass(frozen=True)
+class LayerShape:
+    kind: str  # "full-attention" | "window" | "other" (SSM state or a KV-shared layer: no KV of its own)
+    window: int | None
+    kv_heads: int
+    head_dim: int
+
+
+def layer_shapes(config: dict) -> list[LayerShape]:
+    """Per layer, from config.json alone: sliding windows (Gemma), KV-shared layers (Gemma 4),
+    linear-attention layers (Qwen3.5 / Qwen3-Next), global head dims (Gemma 4)."""
+    c = config.get("text_config", config)
+    n, heads = c["num_hidden_layers"], c["num_attention_heads"]
+    kv = c.get("num_key_value_heads") or heads
+    hd = c.get("head_dim") or c["hidden_size"] // heads
+    window, pattern, types = c.get("sliding_window"), c.get("sliding_window_pattern"), c.get("layer_types")
+    shared = c.get("num_kv_shared_layers", 0)
+    interval = c.get("full_attention_interval")
+    out = []
     for i in range(n):
-        sliding = bool(window) and (
-            (types is not None and types[i] == "sliding_attention")
-            or (types is None and pattern and (i + 1) % pattern != 0)
-        )
-        codec = policy.codec_for(i)
-        w = window if sliding else policy.max_kv_size
-        plans.append(LayerPlan(i, "window" if w else "full-attention", codec, policy.start, w, 0))
-    return plans
+        if i >= n - shared or (interval and (i + 1) % interval != 0):
+            out.append(LayerShape("other", None, 0, 0))
+            continue
+        if types is not None:
+            sliding = types[i] == "sliding_attention"
+        else:
+            sliding = bool(window and pattern and (i + 1) % pattern != 0)
+        if sliding:
+            out.append(LayerShape("window", window, kv, hd))
+        else:
+            out.append(LayerShape("full-attention", None, c.get("num_global_key_value_heads") or kv,
+                                  c.get("global_head_dim") or hd))
+    return out
+
+
+def _bytes_per_element(spec, dtype_size: int) -> float:
+    return dtype_size if not spec.compresses else ((spec.bits or 8) + 32 / (spec.group_size or 64)) / 8
+
+
+def row_bytes(shapes: list[LayerShape], policy: KVPolicy, tokens: int, dtype_size: int = 2) -> int:
+    """KV bytes of one row holding `tokens` tokens (windows capped; --max-kv-size applies to
+    full-attention layers)."""
+    total = 0.0
+    for i, s in enumerate(shapes):
+        if s.kind == "other":
+            continue
+        window = s.window or policy.max_kv_size
+        t = min(tokens, window) if window else tokens
+        total += t * s.kv_heads * s.head_dim * 2 * _bytes_per_element(policy.codec_for(i), dtype_size)
+    return int(total)
 
 
 def weight_bytes_from_files(folder: Path) -> int:
@@ -58,12 +90,12 @@ class FitRow:
         return {k: v for k, v in self.__dict__.items() if v is not None}
 
 
-def max_context(config: dict, plans, budget_kv: int, batch: int, dtype_size: int, limit: int) -> int:
+def max_context(shapes, policy: KVPolicy, budget_kv: int, batch: int, dtype_size: int, limit: int) -> int:
     """Largest context (tokens per row, <= limit) whose KV for `batch` rows fits budget_kv."""
     lo, hi = 0, limit
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if batch * row_kv_bytes(config, plans, mid, dtype_size) <= budget_kv:
+        if batch * row_bytes(shapes, policy, mid, dtype_size) <= budget_kv:
             lo = mid
         else:
             hi = mid - 1
@@ -74,13 +106,13 @@ def fit_table(config: dict, policies: dict[str, KVPolicy], budget: int, weights:
               dtype_size: int = 2) -> list[FitRow]:
     free = max(0, budget - weights)
     limit = config.get("text_config", config).get("max_position_embeddings", 131072)
+    shapes = layer_shapes(config)
     rows = []
     for name, policy in policies.items():
-        plans = plan_from_config(config, policy)
         for b in batches:
-            rows.append(FitRow(name, b, None, max_context=max_context(config, plans, free, b, dtype_size, limit)))
+            rows.append(FitRow(name, b, None, max_context=max_context(shapes, policy, free, b, dtype_size, limit)))
         for ctx in contexts:
-            per_row = row_kv_bytes(config, plans, ctx, dtype_size)
+            per_row = row_bytes(shapes, policy, ctx, dtype_size)
             rows.append(FitRow(name, None, ctx, max_batch=free // per_row if per_row else None))
     return rows
 

@@ -29,6 +29,20 @@ SHAPES: dict[str, dict] = {
                    "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256,
                    "vocab_size": 262208, "sliding_window": 1024, "sliding_window_pattern": 6,
                    "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 131072},
+    # Gemma 4 E2B-like: 35 layers, sliding 512 (4 of 5), the last 20 layers reuse earlier K/V
+    "gemma4-e2b": {"model_type": "gemma4_text", "hidden_size": 1536, "num_hidden_layers": 35,
+                   "intermediate_size": 6144, "num_attention_heads": 8, "num_key_value_heads": 1,
+                   "head_dim": 256, "global_head_dim": 512, "num_kv_shared_layers": 20, "sliding_window": 512,
+                   "sliding_window_pattern": 5, "vocab_size": 262144, "max_position_embeddings": 131072},
+    # Qwen3.5-like hybrid: 3 of 4 layers linear attention (fixed-size state), 1 of 4 full attention
+    "qwen3.5-4b": {"model_type": "qwen3_5", "tie_word_embeddings": True, "text_config": {
+        "model_type": "qwen3_5_text", "hidden_size": 2560, "intermediate_size": 9216, "num_hidden_layers": 32,
+        "full_attention_interval": 4, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "rms_norm_eps": 1e-6,
+        "vocab_size": 248320, "max_position_embeddings": 262144, "tie_word_embeddings": True,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                            "mrope_section": [11, 11, 10]}}},
 }
 
 
