@@ -10,7 +10,8 @@ import typer
 from rich.table import Table
 
 from kvcore.bench import SHAPES
-from kvcore.bench.fit import fit_table, policy_with_kv_config, weight_bytes_from_config, weight_bytes_from_files
+from kvcore.bench.shapes import shape_weight_bytes
+from kvcore.bench.fit import fit_table, policy_with_kv_config, weight_bytes_from_files
 from kvcore.bench.grid import scheme_policy
 from kvcore.errors import MlxkvError
 from kvcore.models import resolve_model_path
@@ -37,9 +38,10 @@ def fit(
     if shape:
         if shape not in SHAPES:
             raise MlxkvError(f"unknown shape {shape!r}")
+        if weight_bits not in ("full", "8", "4"):
+            raise MlxkvError(f"--weight-bits must be full, 8 or 4, got {weight_bits!r}")
         config = SHAPES[shape]
-        bits = None if weight_bits == "full" else int(weight_bits)
-        weights = weight_bytes_from_config(config, bits, dtype_bytes)
+        weights = shape_weight_bytes(shape, None if weight_bits == "full" else int(weight_bits))
     else:
         path, _ = resolve_model_path(model)
         if path.is_file():

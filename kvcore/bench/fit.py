@@ -66,18 +66,6 @@ def weight_bytes_from_files(folder: Path) -> int:
     return sum(p.stat().st_size for p in Path(folder).glob("*.safetensors"))
 
 
-def weight_bytes_from_config(config: dict, weight_bits: int | None, dtype_size: int = 2) -> int:
-    """Llama-shaped parameter count x bytes per parameter (quantized: bits + 32/64 per weight)."""
-    c = config.get("text_config", config)
-    h, inter, n, v = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
-    heads, kv = c["num_attention_heads"], c.get("num_key_value_heads", c["num_attention_heads"])
-    hd = c.get("head_dim") or h // heads
-    per_layer = h * hd * (heads * 2 + kv * 2) + 3 * h * inter
-    linear = n * per_layer + (0 if c.get("tie_word_embeddings", False) else v * h)
-    per_param = dtype_size if not weight_bits else (weight_bits + 32 / 64) / 8
-    return int(linear * per_param + v * h * dtype_size + n * 2 * h * dtype_size)
-
-
 @dataclass(frozen=True)
 class FitRow:
     scheme: str

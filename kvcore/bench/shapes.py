@@ -9,6 +9,7 @@ import importlib
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from ..errors import MlxkvError
 
@@ -20,7 +21,7 @@ SHAPES: dict[str, dict] = {
     "llama-1b": {**_LLAMA, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
                  "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64},
     "llama-8b": {**_LLAMA, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-                 "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128},
+                 "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256},
     "qwen3-4b": {"model_type": "qwen3", "hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36,
                  "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
                  "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 131072,
@@ -50,8 +51,8 @@ def shape_names() -> list[str]:
     return sorted(SHAPES)
 
 
-def build_random_model(name: str, weight_bits: int | None = None, dtype: mx.Dtype = mx.bfloat16) -> tuple[nn.Module, dict]:
-    """An mlx-lm model of the named shape with random weights (quantized to weight_bits if given)."""
+def _construct(name: str, weight_bits: int | None, dtype: mx.Dtype) -> tuple[nn.Module, dict]:
+    """The model with lazy random weights (nothing computed until evaluated)."""
     if name not in SHAPES:
         raise MlxkvError(f"unknown shape {name!r} (known: {', '.join(shape_names())})")
     if weight_bits not in (None, 4, 8):
@@ -63,5 +64,17 @@ def build_random_model(name: str, weight_bits: int | None = None, dtype: mx.Dtyp
     if weight_bits:
         nn.quantize(model, group_size=64, bits=weight_bits)
         config["quantization"] = {"group_size": 64, "bits": weight_bits}
+    return model, config
+
+
+def shape_weight_bytes(name: str, weight_bits: int | None = None, dtype: mx.Dtype = mx.bfloat16) -> int:
+    """Exact weight bytes of a shape, from array shapes alone (the lazy weights are never computed)."""
+    model, _ = _construct(name, weight_bits, dtype)
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+def build_random_model(name: str, weight_bits: int | None = None, dtype: mx.Dtype = mx.bfloat16) -> tuple[nn.Module, dict]:
+    """An mlx-lm model of the named shape with random weights (quantized to weight_bits if given)."""
+    model, config = _construct(name, weight_bits, dtype)
     mx.eval(model.parameters())
     return model, config
