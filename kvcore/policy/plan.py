@@ -73,16 +73,30 @@ def _template(model: nn.Module) -> list:
     return [KVCache() for _ in model.layers]
 
 
+def _kv_shared(model: nn.Module) -> bool:
+    """Whether the model's last layers reuse earlier layers' K/V (Gemma 4's num_kv_shared_layers)."""
+    args = getattr(getattr(model, "language_model", model), "args", None)
+    return bool(getattr(args, "num_kv_shared_layers", 0))
+
+
 def plan_layers(model: nn.Module, policy: KVPolicy) -> list[LayerPlan]:
     template = _template(model)
     n_layers = len(getattr(model, "layers", template))
     if policy.layer_codecs is not None:
-        if len(template) != n_layers:
+        # KV-sharing models (Gemma 4) own caches for their first layers only; the rest read a
+        # donor's cache, so layer_idx equals the cache position for every cache-owning layer.
+        shared = n_layers - len(template) if _kv_shared(model) else 0
+        if len(template) + shared != n_layers:
             raise MlxkvError(
                 f"kv_config layer_idx cannot be mapped: the model has {n_layers} layers "
                 f"but {len(template)} caches"
             )
         for idx, _ in policy.layer_codecs:
+            if len(template) <= idx < n_layers:
+                raise MlxkvError(
+                    f"kv_config: layer_idx {idx} is a KV-shared layer (it owns no cache; it reads an "
+                    f"earlier layer's): compress its donor instead"
+                )
             if idx >= len(template):
                 raise MlxkvError(f"kv_config: layer_idx {idx} out of range (model has {n_layers} layers)")
             if type(template[idx]) not in (KVCache, RotatingKVCache):
