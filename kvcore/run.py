@@ -12,7 +12,7 @@ from .backend import backend_name, versions
 from .engine import GenerateConfig, Request, SamplingConfig, generate_one, kv_summary
 from .engine.prompt import encode_continuation, encode_prompt
 from .errors import MlxkvError
-from .models import load_model
+from .distributed import load_for_run
 from .policy import KVOptions, build_caches, resolve_policy
 from .resume import open_for_model, save_after_run, start_from_cache
 from .store.atomic import check_target
@@ -58,7 +58,7 @@ def run_generate(job: GenerateJob, on_text: Callable[[str], None] | None = None,
                          "not --prompt-file")
     if job.save_cache:
         check_target(job.save_cache)
-    lm = load_model(job.model, job.dtype)
+    lm, dist = load_for_run(job.model, job.dtype, repr(job))
     cached = open_for_model(job.load_cache, lm) if job.load_cache else None  # checked before any work
     notices: list[str] = []
 
@@ -109,6 +109,7 @@ def run_generate(job: GenerateJob, on_text: Callable[[str], None] | None = None,
         "converted": converted,
         "plan": [p.to_json() for p in plan],
         "backend": backend_name(),
+        "ranks": dist.size,
         "attention_path": stats.path if stats else None,
         "versions": versions(),
     }

@@ -17,7 +17,7 @@ from .engine.memory import default_kv_budget, row_kv_bytes
 from .engine.prompt import encode_prompt
 from .engine.prompts_file import PromptSpec
 from .errors import MlxkvError
-from .models import load_model
+from .distributed import load_for_run
 from .policy import build_caches, resolve_policy
 from .run import GenerateJob, RunResult
 
@@ -33,7 +33,7 @@ def run_batch(job: GenerateJob, specs: list[PromptSpec], opts: BatchOptions,
     if job.max_tokens < 0:
         raise MlxkvError(f"--max-tokens must be >= 0, got {job.max_tokens}")
     policy = resolve_policy(job.kv)
-    lm = load_model(job.model, job.dtype)
+    lm, dist = load_for_run(job.model, job.dtype, repr((job, specs, opts)))
     requests = []
     for s in specs:
         ids = encode_prompt(lm.tokenizer, s.prompt, job.system, job.chat_template)
@@ -75,6 +75,7 @@ def run_batch(job: GenerateJob, specs: list[PromptSpec], opts: BatchOptions,
         "plan": [p.to_json() for p in plan],
         "decode_steps": sum(1 for t in engine.trace if t[0] == "decode"),
         "backend": backend_name(),
+        "ranks": dist.size,
         "attention_path": stats.path,
         "versions": versions(),
     }

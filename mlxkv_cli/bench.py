@@ -14,7 +14,8 @@ from kvcore.bench import build_random_model
 from kvcore.bench.bandwidth import copy_bandwidth
 from kvcore.bench.grid import BenchConfig, run_grid
 from kvcore.errors import MlxkvError
-from kvcore.models import load_model, parse_dtype
+from kvcore.distributed import current, handshake, load_for_run, shard
+from kvcore.models import parse_dtype
 
 from . import bench_output
 from .options import DtypeOpt, JsonOpt, ModelOpt
@@ -55,10 +56,13 @@ def bench(
         bits = {"full": None, "8": 8, "4": 4}.get(weight_bits)
         if weight_bits not in ("full", "8", "4"):
             raise MlxkvError(f"--weight-bits must be full, 8 or 4, got {weight_bits!r}")
+        dist = current()
         net, config = build_random_model(shape, bits, parse_dtype(dtype or "bfloat16"))
+        shard(net, dist)
+        handshake(dist, True, repr((shape, weight_bits, dtype, cfg)))
         source, weights = f"shape:{shape}", "random"
     else:
-        lm = load_model(model, dtype)
+        lm, dist = load_for_run(model, dtype, repr((model, dtype, cfg)))
         net, config, source, weights = lm.model, lm.config, lm.source, "trained"
     vocab = config.get("text_config", config)["vocab_size"]
     bandwidth = copy_bandwidth()
@@ -74,6 +78,7 @@ def bench(
         bar.update(task, completed=n_cases)
     report = {"meta": {"model": source, "weights": weights, "backend": backend_name(),
                        "copy_bandwidth_gbs": round(bandwidth / 1e9, 1), "date": time.strftime("%Y-%m-%d"),
+                       "ranks": dist.size,
                        "gen": gen, "repeats": repeats, **versions()},
               "rows": bench_output.ratios(rows)}
     bench_output.render(report, json_out)

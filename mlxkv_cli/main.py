@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 
@@ -55,8 +56,22 @@ def build_app():
     return app
 
 
+def _quiet_other_ranks() -> None:
+    """Under a multi-rank launcher only rank 0 prints; other ranks still report their errors."""
+    rank = os.environ.get("MLX_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
+    if rank != "0":
+        from . import bench_output, output
+
+        sink = open(os.devnull, "w")
+        sys.stdout = sink
+        for module in (output, bench_output):
+            module.err.file = sink
+        bench_output.out.file = sink
+
+
 def main() -> None:
     _check_backend()
+    _quiet_other_ranks()
     build_app()()
 
 
