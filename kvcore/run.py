@@ -59,6 +59,9 @@ def run_generate(job: GenerateJob, on_text: Callable[[str], None] | None = None,
     if job.save_cache:
         check_target(job.save_cache)
     lm, dist = load_for_run(job.model, job.dtype, repr(job))
+    if dist.size > 1 and (job.save_cache or job.load_cache):
+        raise MlxkvError("--save-cache/--load-cache are not supported with several ranks yet "
+                         "(a cache file would hold one rank's KV heads)")
     cached = open_for_model(job.load_cache, lm) if job.load_cache else None  # checked before any work
     notices: list[str] = []
 
