@@ -79,3 +79,38 @@ def test_batched_decode_attention_matches_per_row(monkeypatch, block):
     for b, v in enumerate(view.rows):
         ref = _reference(q[b : b + 1], v, 0.25, None)
         assert mx.allclose(out[b : b + 1], ref, atol=2e-5, rtol=1e-4).item()
+
+
+@pytest.mark.parametrize("bits,group", [(8, 64), (4, 32)])
+def test_quantized_matmul_decode_equals_portable_path(monkeypatch, bits, group):
+    """The CPU/Metal accelerator (attention from packed words) == the portable path."""
+    from kvcore.attention import qmm
+    from kvcore.cache import BatchCompressedKVCache
+
+    mx.random.seed(11)
+    cache = CompressedKVCache(CodecSpec("affine", bits, group), start=0)
+    cache.update_and_fetch(mx.random.normal((1, 2, 50, 64)), mx.random.normal((1, 2, 50, 64)))
+    q = mx.random.normal((1, 6, 1, 64))
+    view, _ = cache.update_and_fetch(mx.random.normal((1, 2, 1, 64)), mx.random.normal((1, 2, 1, 64)))
+    sinks = mx.random.normal((6,))
+    monkeypatch.setattr(qmm, "ENABLED", True)
+    calls = []
+    real = qmm.qmm_attention
+    monkeypatch.setattr(qmm, "qmm_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    fast = kv_attention(q, view, 0.125, sinks)
+    monkeypatch.setattr(qmm, "ENABLED", False)
+    ref = kv_attention(q, view, 0.125, sinks)
+    assert calls and mx.allclose(fast, ref, atol=2e-5, rtol=1e-4).item()
+    # packed rows of different lengths, masked per row
+    rows = []
+    for n in (5, 30):
+        c = CompressedKVCache(CodecSpec("affine", bits, group), start=0)
+        c.update_and_fetch(mx.random.normal((1, 2, n, 64)), mx.random.normal((1, 2, n, 64)))
+        rows.append(c)
+    batch = BatchCompressedKVCache(rows)
+    pv, _ = batch.update_and_fetch(mx.random.normal((2, 2, 1, 64)), mx.random.normal((2, 2, 1, 64)))
+    q2 = mx.random.normal((2, 6, 1, 64))
+    monkeypatch.setattr(qmm, "ENABLED", True)
+    fast = blockwise.packed_attention(q2, pv, 0.125)
+    monkeypatch.setattr(qmm, "ENABLED", False)
+    assert mx.allclose(fast, blockwise.packed_attention(q2, pv, 0.125), atol=2e-5, rtol=1e-4).item()

@@ -1,7 +1,7 @@
 """KV fidelity on the trained default model (stories260K) over held-out TinyStories text.
 
 Bounds were measured once (2 windows x 512 tokens, chunks of 64, float32, CPU):
-8-bit g64 mean KL 1.2e-5 / 9e-6, 4-bit g64 0.0031 / 0.0032. Each bound has a negative
+8-bit g64 mean KL (max of the two windows) 1.2e-5, 4-bit g64 0.0031. Each bound has a negative
 control: the same codec with its scales doubled must fail it.
 """
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..cache.view import SHADOW, KVView
+from ..cache.view import ENCODED, SHADOW, KVView
+from . import qmm
 
 FUSED_BYTES = 256 * 2**20  # decoded K+V (or scores) of one call above which we go blockwise
 BLOCK_BYTES = 64 * 2**20  # per block of the blockwise path
@@ -50,6 +51,12 @@ def kv_attention(q: mx.array, view: KVView, scale: float, sinks: mx.array | None
     """q: (B, Hq, N, D) -> (B, Hq, N, Dv), attending over the view's stored tokens."""
     kv, sc = _sizes(q, view)
     T = view.shape[2]
+    segs = view.segments
+    if (BLOCK is None and len(segs) == 1 and segs[0].kind == ENCODED and view.window is None
+            and qmm.applies(q, segs[0].key_codec, segs[0].value_codec, False)):
+        mask = None if view.n_queries == 1 else segs[0].visible(view.q_positions, 0, segs[0].length, None, 0)
+        return qmm.qmm_attention(q, segs[0].keys, segs[0].values, segs[0].key_codec, segs[0].value_codec,
+                                 scale, mask, sinks)
     if BLOCK is None and T * kv <= FUSED_BYTES:
         return _fused(q, view, scale, sinks)
     block = BLOCK or max(256, BLOCK_BYTES // max(kv, sc) // 128 * 128)
@@ -103,6 +110,9 @@ def packed_attention(q: mx.array, view, scale: float, sinks: mx.array | None = N
     B = q.shape[0]
     kv, _ = _sizes(q[:1], view)
     L = view.length
+    if BLOCK is None and qmm.applies(q, view.key_codec, view.value_codec, False):
+        parts = (tuple(p[:, :, :L] for p in view.key_parts), tuple(p[:, :, :L] for p in view.value_parts))
+        return qmm.qmm_attention(q, *parts, view.key_codec, view.value_codec, scale, view.visible(0, L), sinks)
     if BLOCK is None and B * L * kv <= 4 * FUSED_BYTES:
         k, v = view.dense(0, L, q.dtype)
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=view.visible(0, L), sinks=sinks)

@@ -49,6 +49,9 @@ class AffineCodec:
 
     def decode(self, enc: Encoded, dtype: mx.Dtype) -> mx.array:
         w, s, b = enc
+        # widen the stored float16 scales first: dequantizing with them directly rounds every
+        # value to float16 on the way, an error the codec itself does not make
+        s, b = s.astype(dtype), b.astype(dtype)
         x = mx.dequantize(w, s, b, group_size=self.group, bits=self.bits, dtype=dtype)
         if self.layout == "channel":
             return x

@@ -1,0 +1,51 @@
+"""Decode attention straight from affine-packed KV with `mx.quantized_matmul` (CPU, Metal).
+
+An accelerator beside the portable path: for a few queries over per-token affine K/V
+(mlx-lm's layout), the scores and the output are computed from the packed words without
+decoding the cache first. The score matrix is (queries x tokens), small in decode. Not used
+on CUDA, where quantized_matmul has no kernel for these shapes; `kv_attention` stays the
+reference it is tested against.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..backend import backend_name
+from ..codecs.affine import AffineCodec
+
+MAX_QUERIES = 8  # decode and short verify steps; prefill goes through the fused/blockwise path
+ENABLED = True
+
+
+def _affine_channel(codec) -> bool:
+    return type(codec) is AffineCodec and codec.layout == "channel"
+
+
+def applies(q: mx.array, key_codec, value_codec, has_mask_rules: bool) -> bool:
+    return (ENABLED and q.shape[2] <= MAX_QUERIES and not has_mask_rules and backend_name() != "cuda"
+            and _affine_channel(key_codec) and _affine_channel(value_codec))
+
+
+def qmm_attention(q: mx.array, key_parts, value_parts, key_codec, value_codec, scale: float,
+                  mask: mx.array | None = None, sinks: mx.array | None = None) -> mx.array:
+    """q: (B, Hq, N, D); parts: (B, Hkv, T, ...) packed words, scales, biases; mask broadcastable
+    to (B, 1, N, T) or None -> (B, Hq, N, Dv)."""
+    B, Hq, N, D = q.shape
+    Hkv = key_parts[0].shape[1]
+    rep = Hq // Hkv
+    qg = (q * scale).reshape(B, Hkv, rep, N, D)
+    wk, sk, bk = (p[:, :, None] for p in key_parts)  # (B, Hkv, 1, T, ...)
+    s = mx.quantized_matmul(qg, wk, sk.astype(q.dtype), bk.astype(q.dtype), transpose=True,
+                            group_size=key_codec.group, bits=key_codec.bits).astype(mx.float32)
+    if mask is not None:
+        s = mx.where(mask[:, :, None] if mask.ndim == 4 else mask, s, -1e30)  # (B, Hkv, rep, N, T)
+    if sinks is not None:
+        sk_ = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, Hkv, rep, 1, 1), (B, Hkv, rep, N, 1))
+        p = mx.softmax(mx.concatenate([sk_, s], axis=-1), axis=-1)[..., 1:]
+    else:
+        p = mx.softmax(s, axis=-1)
+    wv, sv, bv = (x[:, :, None] for x in value_parts)
+    out = mx.quantized_matmul(p.astype(q.dtype), wv, sv.astype(q.dtype), bv.astype(q.dtype), transpose=False,
+                              group_size=value_codec.group, bits=value_codec.bits)
+    return out.reshape(B, Hq, N, -1)
