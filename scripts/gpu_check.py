@@ -46,6 +46,30 @@ def run_tests(paths: list[str]) -> None:
     emit("results.jsonl", {"step": "tests", "rc": r.returncode, "tail": (r.stdout + r.stderr)[-600:]})
 
 
+def check_kernel() -> None:
+    """The CUDA decode kernel against the portable path on random shapes (GQA, uneven rows)."""
+    from kvcore.attention import cuda_decode
+    from kvcore.codecs import AffineCodec
+
+    emit("results.jsonl", {"step": "cuda-kernel-selfcheck", "ready": cuda_decode.ready(), **cuda_decode.status()})
+    if not cuda_decode.ready():
+        return
+    for hq, hkv, d, bits, lens in ((8, 2, 128, 4, (1, 300, 1000)), (32, 8, 128, 8, (4096, 17)),
+                                   (16, 16, 64, 4, (513,)), (12, 4, 64, 2, (2000, 1999, 7))):
+        codec = AffineCodec(CodecSpec("affine", bits, 64), d)
+        T, B = max(lens), len(lens)
+        k, v = mx.random.normal((B, hkv, T, d)), mx.random.normal((B, hkv, T, d))
+        q = mx.random.normal((B, hq, 1, d)).astype(mx.bfloat16)
+        ke, ve = codec.encode(k), codec.encode(v)
+        lengths = mx.array(lens)
+        got = cuda_decode.decode_attention(q, ke, ve, codec, lengths, d ** -0.5).astype(mx.float32)
+        kd, vd = codec.decode(ke, mx.float32), codec.decode(ve, mx.float32)
+        mask = (mx.arange(T)[None] < lengths[:, None])[:, None, None]
+        want = mx.fast.scaled_dot_product_attention(q.astype(mx.float32), kd, vd, scale=d ** -0.5, mask=mask)
+        emit("results.jsonl", {"step": "cuda-kernel-vs-portable", "hq": hq, "hkv": hkv, "d": d, "bits": bits,
+                               "lengths": list(lens), "max_abs_err": mx.abs(got - want).max().item()})
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="llama-8b")
@@ -60,6 +84,7 @@ def main():
                            **versions(), "device_info": {k: str(v) for k, v in mx.device_info().items()}})
     if not a.skip_tests:
         run_tests(a.tests.split(","))
+    check_kernel()
     model, config = build_random_model(a.shape, None, mx.bfloat16)
     wbytes = weight_bytes(model)
     emit("results.jsonl", {"step": "model", "shape": a.shape, "weights": "random", "weight_bytes": wbytes})

@@ -114,3 +114,18 @@ def test_quantized_matmul_decode_equals_portable_path(monkeypatch, bits, group):
     fast = blockwise.packed_attention(q2, pv, 0.125)
     monkeypatch.setattr(qmm, "ENABLED", False)
     assert mx.allclose(fast, blockwise.packed_attention(q2, pv, 0.125), atol=2e-5, rtol=1e-4).item()
+
+
+def test_cuda_kernel_is_selected_only_where_it_applies():
+    """Off CUDA (or for codecs the kernel does not cover) the portable path runs."""
+    from kvcore.attention import cuda_decode
+    from kvcore.codecs import make_codec
+
+    q = mx.zeros((1, 4, 1, 64))
+    k4 = make_codec(CodecSpec("affine", 4, 64), 64)
+    assert not cuda_decode.applies(q, k4, k4)  # this machine is not CUDA
+    # shapes it would never take, whatever the backend
+    k3 = make_codec(CodecSpec("affine", 3, 64), 64)
+    tok = make_codec(CodecSpec("affine", 4, 32), 8)
+    for kc, vc in ((k3, k3), (tok, tok), (k4, k3)):
+        assert not cuda_decode.applies(q, kc, vc)

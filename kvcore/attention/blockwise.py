@@ -14,7 +14,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..cache.view import ENCODED, SHADOW, KVView
-from . import qmm
+from . import cuda_decode, qmm
 
 FUSED_BYTES = 256 * 2**20  # decoded K+V (or scores) of one call above which we go blockwise
 BLOCK_BYTES = 64 * 2**20  # per block of the blockwise path
@@ -52,6 +52,10 @@ def kv_attention(q: mx.array, view: KVView, scale: float, sinks: mx.array | None
     kv, sc = _sizes(q, view)
     T = view.shape[2]
     segs = view.segments
+    if (BLOCK is None and sinks is None and len(segs) == 1 and segs[0].kind == ENCODED and view.window is None
+            and cuda_decode.applies(q, segs[0].key_codec, segs[0].value_codec) and cuda_decode.ready()):
+        return cuda_decode.decode_attention(q, segs[0].keys, segs[0].values, segs[0].key_codec,
+                                            mx.array([segs[0].length] * q.shape[0]), scale)
     if (BLOCK is None and len(segs) == 1 and segs[0].kind == ENCODED and view.window is None
             and qmm.applies(q, segs[0].key_codec, segs[0].value_codec, False)):
         mask = None if view.n_queries == 1 else segs[0].visible(view.q_positions, 0, segs[0].length, None, 0)
@@ -110,6 +114,10 @@ def packed_attention(q: mx.array, view, scale: float, sinks: mx.array | None = N
     B = q.shape[0]
     kv, _ = _sizes(q[:1], view)
     L = view.length
+    if (BLOCK is None and sinks is None and cuda_decode.applies(q, view.key_codec, view.value_codec)
+            and cuda_decode.ready()):
+        return cuda_decode.decode_attention(q, view.key_parts, view.value_parts, view.key_codec,
+                                            view.q_start + view.n_queries, scale)
     if BLOCK is None and qmm.applies(q, view.key_codec, view.value_codec, False):
         parts = (tuple(p[:, :, :L] for p in view.key_parts), tuple(p[:, :, :L] for p in view.value_parts))
         return qmm.qmm_attention(q, *parts, view.key_codec, view.value_codec, scale, view.visible(0, L), sinks)
