@@ -18,6 +18,7 @@ from . import output
 from .options import (DtypeOpt, JsonOpt, KeepOpt, KvBitsOpt, KvConfigOpt, KvGroupOpt, KvStartOpt, MaxKvOpt,
                       ModelOpt, ProfileOpt, VerboseOpt)
 from .prompts import read_prompts
+from .speculative import DraftKvBitsOpt, DraftModelOpt, DraftOpt, NumDraftOpt, speculative
 
 
 def generate(
@@ -48,6 +49,10 @@ def generate(
     save_cache: Annotated[Optional[Path], typer.Option(help="Save the KV caches after the run (prompt and generated tokens); --max-tokens 0 saves the prefilled prompt.")] = None,
     load_cache: Annotated[Optional[Path], typer.Option(help="Continue from a saved cache: -p text follows the cached tokens (raw, no template); --prompt-file is a full prompt whose cached prefix is reused.")] = None,
     chat_continue: Annotated[bool, typer.Option("--chat-continue", help="With --load-cache and -p: add the text as a new chat turn (chat template).")] = False,
+    draft_model: DraftModelOpt = None,
+    draft: DraftOpt = None,
+    num_draft_tokens: NumDraftOpt = 4,
+    draft_kv_bits: DraftKvBitsOpt = None,
     json_out: JsonOpt = False,
     verbose: VerboseOpt = False,
 ):
@@ -66,6 +71,11 @@ def generate(
     specs = read_prompts(prompt_arg, prompt, prompt_file, prompts_file)
     if (save_cache or load_cache) and (len(specs) > 1 or prompts_file is not None):
         raise MlxkvError("--save-cache and --load-cache take exactly one prompt")
+    if draft is not None or draft_model is not None:
+        opts = BatchOptions(batch_size, parse_bytes(max_kv_bytes, "--max-kv-bytes") if max_kv_bytes else None)
+        return speculative(job, specs, opts, draft, draft_model, num_draft_tokens, draft_kv_bits, json_out, verbose)
+    if draft_kv_bits is not None:
+        raise MlxkvError("--draft-kv-bits needs --draft-model")
     if len(specs) > 1 or prompts_file is not None:
         opts = BatchOptions(batch_size, parse_bytes(max_kv_bytes, "--max-kv-bytes") if max_kv_bytes else None)
         on_finish = output.json_completion if json_out else output.labelled_completion

@@ -64,3 +64,13 @@ def plan_table(plan: list[dict]) -> None:
         t.add_row(*(str(p[k] if p[k] is not None else "-") for k in
                     ("layer", "kind", "codec", "bits", "group_size", "start", "window", "keep")))
     err.print(t)
+
+def spec_stats_line(s: dict) -> None:
+    rate = s["acceptance_rate"]
+    err.print(
+        f"speculative ({s['draft']}, {s['num_draft_tokens']} a round): "
+        f"{s['accepted_tokens']}/{s['drafted_tokens']} drafts accepted"
+        + (f" ({100 * rate:.0f}%)" if rate is not None else "")
+        + f", mean accepted {s['mean_accepted'] or 0:.2f}, {s['tokens_per_step'] or 0:.2f} tokens/step | "
+        f"{s['verified_tokens']} verified in {s['rounds']} passes | accepted histogram {s['accepted_histogram']}"
+    )

@@ -4,7 +4,9 @@ Tokens are stored dense until `start`, then converted: complete blocks go throug
 codec, the incomplete last block (token-layout codecs only) stays dense until it fills.
 A sliding window keeps the first `keep` tokens (dense: the attention sink) and the last
 `window - keep`; older ones are dropped in steps of `TRIM_STEP` tokens so that rollback
-(`trim`) stays possible and every codec's blocks are dropped whole.
+(`trim`) stays possible and every codec's blocks are dropped whole. A window built with
+`spare` = s keeps s more tokens, so that s + 1 tokens can always be rolled back after any
+update (speculative decoding trims after several single-token updates).
 
 Honours mlx-lm's cache protocol (`update_and_fetch`, `offset`, `make_mask`, `trim`, ...);
 `update_and_fetch` returns a `KVView` that `kvcore.attention` reads.
@@ -37,6 +39,7 @@ class CompressedKVCache(_BaseCache):
         start: int = 0,
         window: int | None = None,
         keep: int = 0,
+        spare: int = 0,
     ):
         if window is not None and keep >= window:
             raise ValueError(f"keep ({keep}) must be smaller than the window ({window})")
@@ -45,6 +48,7 @@ class CompressedKVCache(_BaseCache):
         self.start = start if key_spec.compresses or self.value_spec.compresses else None
         self.window = window
         self.keep = keep if window is not None else 0
+        self.spare = spare if window is not None else 0
         self.offset = 0
         self.converted = False
         self.key_codec = self.value_codec = None
@@ -53,6 +57,7 @@ class CompressedKVCache(_BaseCache):
         self.tail = Buffer()  # dense (k, v), positions [tail_start, offset)
         self.enc_start = self.tail_start = self.keep
         self._dims = None  # (B, H, D, Dv, dtype)
+        self._fresh = None  # dense (k, v, position) of the blocks the last update encoded
 
     # -- layout -------------------------------------------------------------
     @property
@@ -79,6 +84,7 @@ class CompressedKVCache(_BaseCache):
         self._ensure_codecs(keys, values)
         if self.pending_conversion:
             self.convert()
+        self._fresh = None
         N = keys.shape[2]
         q_start = self.offset
         self._drop_old(q_start)
@@ -95,7 +101,7 @@ class CompressedKVCache(_BaseCache):
         """Drop recent tokens no query from q_start on can see, in TRIM_STEP steps."""
         if self.window is None:
             return
-        needed = max(self.keep, q_start - (self.window - self.keep) + 1)
+        needed = max(self.keep, q_start - (self.window - self.keep) + 1 - self.spare)
         drop_to = self.keep + (needed - self.keep) // TRIM_STEP * TRIM_STEP
         if self.enc.n and drop_to > self.enc_start:
             k = min(drop_to - self.enc_start, self.enc.n * self.block_tokens)
@@ -122,7 +128,8 @@ class CompressedKVCache(_BaseCache):
         self.tail_start += nb * bt
         if bt == 1:
             return None  # each token is read encoded from its own query on
-        return (k, v, self.tail_start - nb * bt)
+        self._fresh = (k, v, self.tail_start - nb * bt)
+        return self._fresh
 
     def convert(self) -> None:
         """Encode everything stored so far (one layer; callers eval between layers)."""
@@ -268,11 +275,17 @@ class CompressedKVCache(_BaseCache):
         blocks = (n + bt - 1) // bt
         keep_tokens = blocks * bt - n  # tokens of the last dropped block to restore dense
         if keep_tokens:
-            ks, vs = self._split_enc()
             b0 = self.enc.n - blocks
-            dtype = self._dims[4]
-            k = self.key_codec.decode(tuple(a[:, :, b0 : b0 + 1] for a in ks), dtype)
-            v = self.value_codec.decode(tuple(a[:, :, b0 : b0 + 1] for a in vs), dtype)
+            pos = self.enc_start + b0 * bt
+            fresh = self._fresh
+            if fresh is not None and fresh[2] <= pos and pos + bt <= fresh[2] + fresh[0].shape[2]:
+                # encoded by the last update: its exact dense copy is still at hand
+                k, v = (a[:, :, pos - fresh[2] : pos - fresh[2] + bt] for a in fresh[:2])
+            else:
+                ks, vs = self._split_enc()
+                dtype = self._dims[4]
+                k = self.key_codec.decode(tuple(a[:, :, b0 : b0 + 1] for a in ks), dtype)
+                v = self.value_codec.decode(tuple(a[:, :, b0 : b0 + 1] for a in vs), dtype)
             self.tail.clear()
             self.tail.append((k[:, :, :keep_tokens], v[:, :, :keep_tokens]))
         self.enc.truncate(self.enc.n - blocks)

@@ -24,6 +24,7 @@ class KVPolicy:
     keep: int = 4
     layer_codecs: tuple[tuple[int, CodecSpec], ...] | None = None
     source: str = "flags"
+    rollback: int | None = None  # speculative decoding: mlxkv caches on every layer, windows keep this many spare
 
     def __post_init__(self):
         if self.codec.compresses:
@@ -45,7 +46,7 @@ class KVPolicy:
     @property
     def active(self) -> bool:
         """Whether mlxkv caches are needed at all (else mlx-lm's own caches are used)."""
-        return self.compresses or self.max_kv_size is not None
+        return self.compresses or self.max_kv_size is not None or self.rollback is not None
 
     def codec_for(self, layer: int) -> CodecSpec:
         if self.layer_codecs is not None:
@@ -124,7 +125,9 @@ def build_caches(model: nn.Module, policy: KVPolicy) -> tuple[list, list[LayerPl
 
     With nothing to compress and no window, mlx-lm's own caches are returned unchanged.
     Otherwise every attention layer gets a CompressedKVCache (full-precision layers too), so
-    masks and layouts agree across layers of one kind.
+    masks and layouts agree across layers of one kind. With `policy.rollback` set (speculative
+    decoding), mlxkv caches are used even when nothing is compressed (rollback is row-local)
+    and windows keep that many spare tokens, so rollback after several updates stays possible.
     """
     template = _template(model)
     plans = plan_layers(model, policy)
@@ -135,5 +138,6 @@ def build_caches(model: nn.Module, policy: KVPolicy) -> tuple[list, list[LayerPl
         if p.kind == "other":
             caches.append(c)
         else:
-            caches.append(CompressedKVCache(p.codec, start=p.start or 0, window=p.window, keep=p.keep))
+            caches.append(CompressedKVCache(p.codec, start=p.start or 0, window=p.window, keep=p.keep,
+                                            spare=policy.rollback or 0))
     return caches, plans

@@ -1,0 +1,83 @@
+"""A speculative `generate` job: one or many prompts, a draft provider, the SpecEngine."""
+
+from __future__ import annotations
+
+import time
+from contextlib import ExitStack
+from typing import Callable
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from .attention import attention_context
+from .backend import backend_name, versions
+from .engine import GenerateConfig, Request
+from .engine.memory import default_kv_budget, row_kv_bytes
+from .engine.prompt import encode_prompt
+from .engine.prompts_file import PromptSpec
+from .errors import MlxkvError
+from .models import load_model
+from .policy import build_caches, resolve_policy
+from .run import GenerateJob, RunResult
+from .run_batch import BatchOptions
+from .spec import SpecEngine, SpecOptions, draft_for_job
+
+
+def run_speculative(job: GenerateJob, specs: list[PromptSpec], opts: BatchOptions, spec: SpecOptions,
+                    on_finish: Callable | None = None) -> RunResult:
+    if job.max_tokens < 0:
+        raise MlxkvError(f"--max-tokens must be >= 0, got {job.max_tokens}")
+    if job.save_cache or job.load_cache:
+        raise MlxkvError("--save-cache and --load-cache are not supported with speculative decoding")
+    policy = resolve_policy(job.kv)
+    lm = load_model(job.model, job.dtype)
+    draft = draft_for_job(spec, job, lm)  # a mismatched draft fails before any work
+    requests = []
+    for s in specs:
+        ids = encode_prompt(lm.tokenizer, s.prompt, job.system, job.chat_template)
+        if not ids:
+            raise MlxkvError(f"prompt {s.id} is empty after tokenization")
+        max_tokens = job.max_tokens if s.max_tokens is None else s.max_tokens
+        requests.append(Request(tuple(ids), max_tokens, s.id, job.stop))
+    _, plan = build_caches(lm.model, policy)
+    dtype_size = next((p.dtype.size for _, p in tree_flatten(lm.model.parameters())
+                       if mx.issubdtype(p.dtype, mx.floating)), 2)
+    budget = opts.max_kv_bytes if opts.max_kv_bytes is not None else default_kv_budget()
+    engine = SpecEngine(
+        lm.model, lm.tokenizer, policy, draft, spec.num_draft_tokens, opts.batch_size,
+        GenerateConfig(job.sampling, job.prefill_chunk), kv_budget=budget,
+        row_bytes=lambda r: row_kv_bytes(lm.config, plan, len(r.prompt_ids) + r.max_tokens, dtype_size),
+        on_finish=on_finish,
+    )
+    mx.reset_peak_memory()
+    t0 = time.perf_counter()
+    with ExitStack() as stack:
+        for m in draft.models:  # outermost: the target's context (innermost) counts every call
+            stack.enter_context(attention_context(m))
+        stats = stack.enter_context(attention_context(lm.model))
+        completions = engine.run(requests)
+    wall = time.perf_counter() - t0
+    generated = sum(len(c.token_ids) for c in completions)
+    peak_kv = engine.peak_kv or {"kv_bytes": 0, "kv_elements": 0, "bits_per_element": None}
+    summary = {
+        "type": "summary",
+        "model": lm.source,
+        "rows": len(completions),
+        "batch_size": opts.batch_size,
+        "prompt_tokens": sum(c.prompt_tokens for c in completions),
+        "generated_tokens": generated,
+        "wall_time_s": round(wall, 4),
+        "aggregate_tps": round(generated / wall, 2) if wall else 0.0,
+        "decode_tps": round(engine.decoded / engine.decode_time, 2) if engine.decode_time else 0.0,
+        "peak_memory_bytes": mx.get_peak_memory(),
+        **{k: peak_kv.get(k) for k in ("kv_bytes", "kv_elements", "bits_per_element")},
+        "kv_budget_bytes": budget,
+        "kv_policy": {"source": policy.source, "codec": policy.codec.label(), "start": policy.start,
+                      "max_kv_size": policy.max_kv_size},
+        "plan": [p.to_json() for p in plan],
+        "speculative": {**draft.describe(), **engine.stats.to_json()},
+        "backend": backend_name(),
+        "attention_path": stats.path,
+        "versions": versions(),
+    }
+    return RunResult(completions, summary, [])
