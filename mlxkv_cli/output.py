@@ -65,6 +65,7 @@ def plan_table(plan: list[dict]) -> None:
                     ("layer", "kind", "codec", "bits", "group_size", "start", "window", "keep")))
     err.print(t)
 
+
 def spec_stats_line(s: dict) -> None:
     rate = s["acceptance_rate"]
     err.print(
