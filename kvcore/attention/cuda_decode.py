@@ -4,11 +4,15 @@ An accelerator beside the portable path, for a few queries over per-token affine
 bits in {2, 4, 8}: each thread block takes one (split of the KV length, KV head, row),
 dequantizes its keys and values in registers, and writes a partial softmax (max, sum,
 weighted values) per query head; the splits are merged with MLX ops (flash decoding).
-Selected at run time: only on CUDA, and only after a self-check against the portable path
-on the device has passed; any failure disables it and the portable path runs.
+Selected at run time: only on CUDA, only when MLXKV_CUDA_DECODE=1 (opt-in until its
+speed is confirmed on the H200: the first version there was correct but recompiled as the
+context grew), and only after a self-check against the portable path on the device has
+passed; any failure disables it and the portable path runs.
 """
 
 from __future__ import annotations
+
+import os
 
 import mlx.core as mx
 
@@ -18,10 +22,13 @@ from ..codecs.affine import AffineCodec
 SPLIT = 256  # tokens per thread block
 THREADS = 128
 _STATE = {"kernel": None, "ok": None, "why": None}
+ENABLED = os.environ.get("MLXKV_CUDA_DECODE") == "1"
 
 _SOURCE = r"""
     // grid: (splits * THREADS, Hkv, B); one block per (split, kv head, row)
+    // dims = [capacity, number of splits]: runtime values, so the kernel compiles once per shape
     const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
+    const int CAP = dims[0], NSPLIT = dims[1];
     const int len = lengths[b];
     const int t0 = split * SPLIT, t1 = min(t0 + SPLIT, len);
     const int per = 32 / BITS, kwords = D / per, groups = D / G;
@@ -89,7 +96,7 @@ _SOURCE = r"""
 
 
 def applies(q: mx.array, key_codec, value_codec) -> bool:
-    if backend_name() != "cuda" or _STATE["ok"] is False or q.shape[2] != 1:
+    if not ENABLED or backend_name() != "cuda" or _STATE["ok"] is False or q.shape[2] != 1:
         return False
     for c in (key_codec, value_codec):
         if type(c) is not AffineCodec or c.layout != "channel" or c.bits not in (2, 4, 8):
@@ -100,7 +107,7 @@ def applies(q: mx.array, key_codec, value_codec) -> bool:
 def _kernel():
     if _STATE["kernel"] is None:
         _STATE["kernel"] = mx.fast.cuda_kernel(
-            name="mlxkv_affine_decode", input_names=["q", "kw", "ks", "kb", "vw", "vs", "vb", "lengths"],
+            name="mlxkv_affine_decode", input_names=["q", "kw", "ks", "kb", "vw", "vs", "vb", "lengths", "dims"],
             output_names=["m_out", "l_out", "acc_out"], source=_SOURCE)
     return _STATE["kernel"]
 
@@ -114,10 +121,10 @@ def decode_attention(q: mx.array, key_parts, value_parts, codec, lengths: mx.arr
     Dv = vw.shape[-1] * 32 // codec.bits
     nsplit = max(1, (int(mx.max(lengths).item()) + SPLIT - 1) // SPLIT)
     m, l, acc = _kernel()(
-        inputs=[(q * scale).reshape(B, Hq, D), kw, ks, kb, vw, vs, vb, lengths.astype(mx.int32)],
+        inputs=[(q * scale).reshape(B, Hq, D), kw, ks, kb, vw, vs, vb, lengths.astype(mx.int32),
+                mx.array([cap, nsplit], dtype=mx.int32)],
         template=[("HQ", Hq), ("HKV", Hkv), ("REP", Hq // Hkv), ("D", D), ("DV", Dv), ("G", codec.group),
-                  ("BITS", codec.bits), ("CAP", cap), ("SPLIT", SPLIT), ("THREADS", THREADS),
-                  ("NSPLIT", nsplit)],
+                  ("BITS", codec.bits), ("SPLIT", SPLIT), ("THREADS", THREADS)],
         grid=(nsplit * THREADS, Hkv, B), threadgroup=(THREADS, 1, 1),
         output_shapes=[(B, Hq, nsplit), (B, Hq, nsplit), (B, Hq, nsplit, Dv)],
         output_dtypes=[mx.float32, mx.float32, mx.float32],
