@@ -40,7 +40,7 @@ class BenchConfig:
 
 def scheme_policy(scheme: str) -> KVPolicy:
     """'full' | 'affine:BITS[/gGROUP]' -> the policy (quantized from the first token)."""
-    if scheme == "full":
+    if scheme in ("full", "bf16", "fp16", "fp32"):  # full precision (in the model's dtype)
         return KVPolicy()
     name, _, rest = scheme.partition(":")
     bits, _, group = rest.partition("/g")
