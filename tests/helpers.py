@@ -6,6 +6,7 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 
 from kvcore.attention import attention_context
+from kvcore.codecs import AffineCodec, register_codec
 from kvcore.engine import GenerateConfig, Request, generate_one
 from kvcore.fidelity import teacher_forced_logprobs
 from kvcore.policy import KVOptions, build_caches, resolve_policy
@@ -39,3 +40,14 @@ def margin_under(model, ids, generated, opts: KVOptions, chunk: int = 64) -> flo
     steps = lp[len(ids) - 1 : len(ids) - 1 + len(generated)]
     top2 = mx.sort(steps, axis=-1)[:, -2:]
     return (top2[:, 1] - top2[:, 0]).min().item()
+
+
+class DoubledScales(AffineCodec):
+    """Negative control for fidelity bounds: decodes with every scale doubled."""
+
+    def decode(self, enc, dtype):
+        w, s, b = enc
+        return super().decode((w, s * 2, b), dtype)
+
+
+register_codec("affine-doubled", DoubledScales)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from mlx_lm import load
 
-from kvcore.codecs import AffineCodec, register_codec
+import helpers  # noqa: F401  (registers the affine-doubled control codec)
 from kvcore.codecs.base import CodecSpec
 from kvcore.fidelity import compare, teacher_forced_logprobs
 from kvcore.policy import KVPolicy, build_caches
@@ -19,15 +19,6 @@ CORPUS = Path(__file__).resolve().parents[2] / "shared/assets/corpora/tinystorie
 BOUNDS = {8: 5e-5, 4: 6e-3}
 
 
-class DoubledScales(AffineCodec):
-    """Negative control: decodes with every scale doubled."""
-
-    def decode(self, enc, dtype):
-        w, s, b = enc
-        return super().decode((w, s * 2, b), dtype)
-
-
-register_codec("affine-doubled", DoubledScales)
 
 
 @pytest.fixture(scope="module")
