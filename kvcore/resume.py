@@ -38,14 +38,14 @@ def open_for_model(path: str | Path, lm) -> CacheFile:
 
 
 def _label(plan: list[LayerPlan]) -> str:
-    codecs = {p.codec.label() for p in plan if p.codec.compresses}
+    codecs = {p.label() for p in plan if p.compresses}
     windows = sorted({p.window for p in plan if p.window})
     codec = "full" if not codecs else codecs.pop() if len(codecs) == 1 else "per-layer codecs"
     return codec + (f", windows {', '.join(map(str, windows))}" if windows else "")
 
 
 def _same(a: list[LayerPlan], b: list[LayerPlan]) -> bool:
-    key = lambda p: (p.kind, p.codec, p.window, p.keep)  # noqa: E731
+    key = lambda p: (p.kind, p.codec, p.values, p.recent, p.window, p.keep)  # noqa: E731
     return len(a) == len(b) and all(key(x) == key(y) for x, y in zip(a, b))
 
 
@@ -67,10 +67,10 @@ def start_from_cache(cf: CacheFile, context: list[int], model, asked: KVPolicy |
     elif reuse.kept < len(cf.prefix_ids):
         note(f"the prompt diverges from the cache after {reuse.kept} of its {len(cf.prefix_ids)} tokens: "
              f"reusing {reuse.kept}")
-    starts = [p.start for p in plan if p.codec.compresses and p.start is not None]
+    starts = [p.start for p in plan if p.compresses and p.start is not None]
     kv_policy = {"source": f"cache {cf.path}", "codec": _label(plan), "start": min(starts, default=None),
                  "max_kv_size": None, "reused_tokens": reuse.kept}
-    return CacheStart(caches, plan, context[reuse.kept:], any(p.codec.compresses for p in plan), kv_policy)
+    return CacheStart(caches, plan, context[reuse.kept:], any(p.compresses for p in plan), kv_policy)
 
 
 def save_after_run(path: str | Path, lm, caches: list, context: list[int], completion) -> int:

@@ -72,7 +72,7 @@ def run_generate(job: GenerateJob, on_text: Callable[[str], None] | None = None,
 
     completions, caches, plan, stats = [], [], [], None
     mx.reset_peak_memory()
-    kv_policy = {"source": policy.source, "codec": policy.codec.label(), "start": policy.start,
+    kv_policy = {"source": policy.source, "codec": policy.label(), "start": policy.start,
                  "max_kv_size": policy.max_kv_size}
     for i, text in enumerate(job.prompts):
         if cached is not None and job.continue_mode == "append":

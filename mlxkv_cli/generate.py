@@ -15,7 +15,7 @@ from kvcore.run_batch import BatchOptions, run_batch
 from kvcore.units import parse_bytes
 
 from . import output
-from .options import (DtypeOpt, JsonOpt, KeepOpt, KvBitsOpt, KvConfigOpt, KvGroupOpt, KvStartOpt, MaxKvOpt,
+from .options import (DtypeOpt, JsonOpt, KeepOpt, KvBitsOpt, KvConfigOpt, KvGroupOpt, KvOpt, KvStartOpt, MaxKvOpt,
                       ModelOpt, ProfileOpt, VerboseOpt)
 from .prompts import read_prompts
 from .speculative import DraftKvBitsOpt, DraftModelOpt, DraftOpt, NumDraftOpt, speculative
@@ -38,6 +38,7 @@ def generate(
     min_p: Annotated[float, typer.Option(help="Min-p sampling threshold.")] = 0.0,
     seed: Annotated[Optional[int], typer.Option(help="Random seed.")] = None,
     stop: Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable).")] = None,
+    kv: KvOpt = None,
     kv_bits: KvBitsOpt = None,
     kv_group_size: KvGroupOpt = None,
     quantized_kv_start: KvStartOpt = None,
@@ -63,7 +64,7 @@ def generate(
         max_tokens=max_tokens, stop=tuple(stop or ()),
         sampling=SamplingConfig(temp, top_p, min_p, seed),
         kv=KVOptions(kv_bits, kv_group_size, quantized_kv_start, str(kv_config) if kv_config else None,
-                     max_kv_size, kv_keep, profile),
+                     max_kv_size, kv_keep, profile, kv),
         prefill_chunk=prefill_chunk,
         save_cache=str(save_cache) if save_cache else None, load_cache=str(load_cache) if load_cache else None,
         continue_mode="full" if prompt_file is not None else "append", chat_continue=chat_continue,

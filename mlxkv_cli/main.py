@@ -27,6 +27,7 @@ def build_app():
     from .convert_kv import convert_kv
     from .convert_model import convert_model
     from .errors import MlxkvGroup
+    from .fidelity import fidelity
     from .fit import fit
     from .generate import generate
     from .inspect_cache import inspect_cache
@@ -53,6 +54,7 @@ def build_app():
     app.command("convert-model")(convert_model)
     app.command("bench")(bench)
     app.command("fit")(fit)
+    app.command("fidelity")(fidelity)
     return app
 
 

@@ -58,6 +58,8 @@ KINDS = {
     "affine4-delayed": KVOptions(kv_bits=4, kv_group_size=32, quantized_kv_start=13),
     "window": KVOptions(max_kv_size=10, keep=2),
     "window-affine8": KVOptions(kv_bits=8, kv_group_size=32, quantized_kv_start=0, max_kv_size=10, keep=2),
+    "turbo-delayed": KVOptions(kv="turbo:k4v3", quantized_kv_start=13),
+    "window-turbo-recent": KVOptions(kv="turbo:k8v4/r3", max_kv_size=10, keep=2),
 }
 
 

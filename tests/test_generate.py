@@ -45,6 +45,18 @@ def test_compressed_runs_through_the_hook_and_is_chunk_invariant(loaded, family,
         assert ours(model, tok, ids, 16, opts, chunk=chunk)[0] == base
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("kv", ["turbo:k8v6", "turbo:8/r5", "affine:8/g32/r3"])
+def test_turbo_and_recent_tokens_are_chunk_invariant(loaded, family, kv):
+    model, tok, ids = loaded(family)
+    opts = KVOptions(kv=kv, quantized_kv_start=11)
+    base, stats = ours(model, tok, ids, 16, opts, chunk=512)
+    assert stats.compressed_calls > 0
+    assert margin_under(model, ids, base, opts) >= MIN_MARGIN
+    for chunk in (3, 8, 37):
+        assert ours(model, tok, ids, 16, opts, chunk=chunk)[0] == base
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_sliding_window_bits_off_equals_mlx_lm_rotating(loaded, family):
     """Past several wraps (and past a drop of old tokens), same tokens as mlx-lm's RotatingKVCache."""

@@ -10,6 +10,7 @@ from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
 from helpers import ours
 from kvcore.engine.prompt import encode_continuation
 from kvcore.policy import KVOptions, resolve_policy
+from kvcore.policy.kv_spec import parse_kv
 from kvcore.store import convert_cache_file, inspect_cache, open_cache_file
 from store_helpers import DOC, MORE, cli, job
 
@@ -65,6 +66,23 @@ def test_convert_then_continue(loaded, tmp_path, family, opts):
     result = convert_cache_file(src, dst, resolve_policy(KVOptions(**opts)))
     assert result.bytes_after < result.bytes_before and not result.notices
     _continue_matches_quantizing_at_the_prefix(path, model, tok, dst, opts)
+
+
+@pytest.mark.parametrize("family,kv", [("qwen3", "turbo:k4v3"), ("llama", "turbo:4/r4"), ("gemma3", "turbo:k8v4/r3")])
+def test_convert_to_turbo_inspect_and_continue(loaded, tmp_path, family, kv):
+    path, model, tok = loaded(family)
+    src, dst = tmp_path / "full.kv", tmp_path / "t.kv"
+    job(DOC * 2, path, 0, save_cache=str(src))
+    r = cli("convert-kv", src, dst, "--kv", kv)
+    assert r.exit_code == 0, r.output
+    report = json.loads(cli("inspect-cache", dst, "--json").stdout)
+    attn = [row for row in report["layers"] if row["codec"] != "full"]
+    assert attn and all(row["codec"] == "turbo" and row["bits"] == parse_kv(kv).key.bits for row in attn)
+    if kv == "turbo:k4v3":  # 2 KV heads, head_dim 64: (4 + 3) bits per element pair + 2-byte norms
+        n = report["prefix_tokens"]
+        assert all(row["value_codec"] == "turbo:3" and row["bytes"] == n * 2 * (34 + 26) for row in attn)
+        assert report["totals"]["bits_per_element"] == 3.75
+    _continue_matches_quantizing_at_the_prefix(path, model, tok, dst, dict(kv=kv))
 
 
 def test_kv_config_conversion_and_going_back_up(loaded, tmp_path):

@@ -47,6 +47,9 @@ CASES = [
     ("gemma4", dict(kv_bits=8, kv_group_size=32, quantized_kv_start=0)),
     ("qwen3_5", {}),  # SSM state saved and restored
     ("qwen3_5", dict(kv_bits=4, kv_group_size=32, quantized_kv_start=0)),
+    ("qwen3", dict(kv="turbo:k4v3")),
+    ("llama", dict(kv="turbo:4/r5", quantized_kv_start=20)),  # recent tokens dense, converts inside the prompt
+    ("gemma3", dict(kv="turbo:k8v3/r3")),  # compressed windows with recent tokens
 ]
 
 

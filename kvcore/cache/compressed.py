@@ -6,7 +6,9 @@ A sliding window keeps the first `keep` tokens (dense: the attention sink) and t
 `window - keep`; older ones are dropped in steps of `TRIM_STEP` tokens so that rollback
 (`trim`) stays possible and every codec's blocks are dropped whole. A window built with
 `spare` = s keeps s more tokens, so that s + 1 tokens can always be rolled back after any
-update (speculative decoding trims after several single-token updates).
+update (speculative decoding trims after several single-token updates). With `recent` = r,
+the r newest tokens stay dense too: a token is read encoded only by queries more than r
+positions after it (KIVI's full-precision residual).
 
 Honours mlx-lm's cache protocol (`update_and_fetch`, `offset`, `make_mask`, `trim`, ...);
 `update_and_fetch` returns a `KVView` that `kvcore.attention` reads.
@@ -40,6 +42,7 @@ class CompressedKVCache(_BaseCache):
         window: int | None = None,
         keep: int = 0,
         spare: int = 0,
+        recent: int = 0,
     ):
         if window is not None and keep >= window:
             raise ValueError(f"keep ({keep}) must be smaller than the window ({window})")
@@ -49,6 +52,7 @@ class CompressedKVCache(_BaseCache):
         self.window = window
         self.keep = keep if window is not None else 0
         self.spare = spare if window is not None else 0
+        self.recent = recent if self.start is not None else 0
         self.offset = 0
         self.converted = False
         self.key_codec = self.value_codec = None
@@ -74,6 +78,11 @@ class CompressedKVCache(_BaseCache):
             if len(bt) > 1:
                 raise ValueError("key and value codecs must use the same block size")
             self.enc.step = max(1, self.enc.step // self.block_tokens)  # grow by ~256 tokens
+
+    @property
+    def lag(self) -> int:
+        """Positions after a block's last token before queries read it encoded."""
+        return self.recent + 1 if self.recent else 0
 
     @property
     def pending_conversion(self) -> bool:
@@ -115,7 +124,7 @@ class CompressedKVCache(_BaseCache):
 
     def _encode_complete_blocks(self):
         bt = self.block_tokens
-        nb = self.tail.n // bt
+        nb = max(0, self.tail.n - self.recent) // bt
         if nb == 0:
             return None
         k, v = self.tail.get(0, nb * bt)
@@ -126,7 +135,7 @@ class CompressedKVCache(_BaseCache):
         self.enc.append((*ek, *self.value_codec.encode(v)))
         self.tail.drop_front(nb * bt)
         self.tail_start += nb * bt
-        if bt == 1:
+        if bt == 1 and not self.recent:
             return None  # each token is read encoded from its own query on
         self._fresh = (k, v, self.tail_start - nb * bt)
         return self._fresh
@@ -151,11 +160,11 @@ class CompressedKVCache(_BaseCache):
             bt = self.block_tokens
             segs.append(
                 Segment(ENCODED, ks, vs, self.enc_start, self.enc.n * bt, bt,
-                        self.key_codec, self.value_codec)
+                        self.key_codec, self.value_codec, self.lag)
             )
         if shadow is not None:
             k, v, pos = shadow
-            segs.append(Segment(SHADOW, k, v, pos, k.shape[2], self.block_tokens))
+            segs.append(Segment(SHADOW, k, v, pos, k.shape[2], self.block_tokens, lag=self.lag))
         if self.tail.n:
             k, v = self.tail.get()
             segs.append(Segment(DENSE, k, v, self.tail_start, self.tail.n))
@@ -201,7 +210,7 @@ class CompressedKVCache(_BaseCache):
             "key": self.key_spec.to_json(), "value": self.value_spec.to_json(), "start": self.start,
             "window": self.window, "keep": self.keep, "offset": self.offset, "converted": self.converted,
             "enc_start": self.enc_start, "tail_start": self.tail_start,
-            "sink": self.sink.n, "enc": self.enc.n, "tail": self.tail.n,
+            "sink": self.sink.n, "enc": self.enc.n, "tail": self.tail.n, "recent": self.recent,
             "key_parts": getattr(self, "_n_key_parts", None) if self.enc.n else None,
             "dims": dims, "dtype": None if self._dims is None else _dtype_name(self._dims[4]),
         }
@@ -210,7 +219,8 @@ class CompressedKVCache(_BaseCache):
         """Reset to the (validated) layout `m`; the arrays come through `state` (before or after)."""
         spec = lambda d: CodecSpec(d["codec"], d["bits"], d["group_size"])  # noqa: E731
         loaded = getattr(self, "_loaded", None)
-        self.__init__(spec(m["key"]), spec(m["value"]), m["start"] or 0, m["window"], m["keep"])
+        self.__init__(spec(m["key"]), spec(m["value"]), m["start"] or 0, m["window"], m["keep"],
+                      recent=m.get("recent", 0))
         self.offset, self.converted = m["offset"], m["converted"]
         self.enc_start, self.tail_start = m["enc_start"], m["tail_start"]
         if m["dims"] is not None:
@@ -268,7 +278,32 @@ class CompressedKVCache(_BaseCache):
             rest -= k
         self.sink.truncate(self.sink.n - rest)
         self.offset -= n
+        self._restore_recent()
         return n
+
+    def _restore_recent(self) -> None:
+        """After a trim: blocks within `recent` of the new end go back to the dense tail, exactly
+        where the last update's dense copy has them, else decoded."""
+        bt, short = self.block_tokens, self.recent - self.tail.n
+        if short <= 0 or not self.enc.n:
+            return
+        blocks = min(self.enc.n, -(-short // bt))
+        b0 = self.enc.n - blocks
+        pos, n = self.enc_start + b0 * bt, blocks * bt
+        fresh = self._fresh
+        if fresh is not None and fresh[2] <= pos and pos + n <= fresh[2] + fresh[0].shape[2]:
+            k, v = (a[:, :, pos - fresh[2] : pos - fresh[2] + n] for a in fresh[:2])
+        else:
+            ks, vs = self._split_enc()
+            k = self.key_codec.decode(tuple(a[:, :, b0:] for a in ks), self._dims[4])
+            v = self.value_codec.decode(tuple(a[:, :, b0:] for a in vs), self._dims[4])
+        rest = self.tail.get() if self.tail.n else None
+        self.tail.clear()
+        self.tail.append((k, v))
+        if rest is not None:
+            self.tail.append(rest)
+        self.enc.truncate(b0)
+        self.tail_start = pos
 
     def _trim_encoded(self, n: int) -> None:
         bt = self.block_tokens
@@ -311,6 +346,7 @@ class CompressedKVCache(_BaseCache):
             "key": self.key_codec.describe() if self.key_codec else self.key_spec.to_json(),
             "value": self.value_codec.describe() if self.value_codec else self.value_spec.to_json(),
             "start": self.start,
+            "recent": self.recent,
             "converted": self.converted,
         }
 

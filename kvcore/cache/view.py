@@ -31,6 +31,7 @@ class Segment:
     block_tokens: int = 1
     key_codec: Any = None
     value_codec: Any = None
+    lag: int = 0  # ENCODED/SHADOW: positions after a block's last token before it is read encoded
 
     def dense(self, lo: int, hi: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
         """Columns [lo, hi) of this segment as dense (B, H, hi-lo, D) keys and values."""
@@ -50,10 +51,10 @@ class Segment:
         mask = j <= q
         if window is not None:
             mask = mask & ((j < keep) | (q - j < window - keep))
-        if self.kind != DENSE and self.block_tokens > 1:
-            # a block is read encoded from the query at its last position on
+        if self.kind != DENSE and (self.block_tokens > 1 or self.lag):
+            # a block is read encoded from the query `lag` positions after its last one on
             last = self.start + (j - self.start) // self.block_tokens * self.block_tokens
-            last = last + self.block_tokens - 1
+            last = last + self.block_tokens - 1 + self.lag
             mask = mask & ((q >= last) if self.kind == ENCODED else (q < last))
         return mask
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from .affine import BITS, GROUPS, AffineCodec
 from .base import Codec, CodecSpec, Encoded
+from .turbo import TurboCodec
 
-_REGISTRY: dict[str, type] = {"affine": AffineCodec}
+_REGISTRY: dict[str, type] = {"affine": AffineCodec, "turbo": TurboCodec}
 
 FULL = CodecSpec("full")
 
@@ -29,4 +30,5 @@ def make_codec(spec: CodecSpec, head_dim: int) -> Codec | None:
     return cls(spec, head_dim)
 
 
-__all__ = ["BITS", "GROUPS", "FULL", "Codec", "CodecSpec", "Encoded", "make_codec", "register_codec", "codec_names"]
+__all__ = ["BITS", "GROUPS", "FULL", "AffineCodec", "TurboCodec", "Codec", "CodecSpec", "Encoded", "make_codec",
+           "register_codec", "codec_names"]

@@ -6,13 +6,13 @@ import os
 
 import mlx.core as mx
 
-from ..codecs import CodecSpec
+from ..codecs import CodecSpec, make_codec
 
 
-def _bytes_per_element(spec: CodecSpec, dtype_size: int) -> float:
+def _bytes_per_element(spec: CodecSpec, dtype_size: int, head_dim: int) -> float:
     if not spec.compresses:
         return dtype_size
-    return ((spec.bits or 8) + 32 / (spec.group_size or 64)) / 8
+    return make_codec(spec, head_dim).bytes_per_token(1) / head_dim
 
 
 def row_kv_bytes(config: dict, plans: list, tokens: int, dtype_size: int = 2) -> int:
@@ -26,7 +26,9 @@ def row_kv_bytes(config: dict, plans: list, tokens: int, dtype_size: int = 2) ->
         if p.kind == "other":
             continue
         t = min(tokens, p.window) if p.window else tokens
-        total += t * kv_heads * head_dim * 2 * _bytes_per_element(p.codec, dtype_size)
+        dense = min(t, p.recent)  # the newest tokens stay full precision
+        per_element = sum(_bytes_per_element(s, dtype_size, head_dim) for s in (p.codec, p.values)) / 2
+        total += ((t - dense) * per_element + dense * dtype_size) * kv_heads * head_dim * 2
     return int(total)
 
 

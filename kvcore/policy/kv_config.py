@@ -2,7 +2,9 @@
 
 Listed layers are compressed with their bits/group (group_size optional, default 64);
 unlisted layers stay full precision. Unknown extra keys are ignored so optiq's files are
-read unchanged; an optional "codec" key names a codec other than affine.
+read unchanged; an optional "codec" key names a codec other than affine, and optional
+"key_bits" / "value_bits" give keys and values their own bits ("bits" is then optional):
+`{"layer_idx": 3, "codec": "turbo", "key_bits": 4, "value_bits": 3}`.
 """
 
 from __future__ import annotations
@@ -10,8 +12,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..codecs import BITS, GROUPS, CodecSpec, codec_names
+from ..codecs import BITS, GROUPS, CodecSpec, codec_names, make_codec
 from ..errors import MlxkvError
+from .kv_spec import GROUPED
 
 DEFAULT_GROUP = 64
 
@@ -22,7 +25,15 @@ def _int(entry_no: int, key: str, value) -> int:
     return value
 
 
+Layers = tuple[tuple[int, CodecSpec, CodecSpec], ...]  # (layer_idx, key codec, value codec)
+
+
 def parse_kv_config(data, source: str = "kv_config") -> tuple[tuple[int, CodecSpec], ...]:
+    """(layer_idx, key codec) per listed layer; `parse_kv_layers` has the value codecs too."""
+    return tuple((i, k) for i, k, _ in parse_kv_layers(data, source))
+
+
+def parse_kv_layers(data, source: str = "kv_config") -> Layers:
     if not isinstance(data, list):
         raise MlxkvError(f"{source}: expected a JSON list of layer entries, got {type(data).__name__}")
     seen: dict[int, int] = {}
@@ -30,11 +41,14 @@ def parse_kv_config(data, source: str = "kv_config") -> tuple[tuple[int, CodecSp
     for n, entry in enumerate(data):
         if not isinstance(entry, dict):
             raise MlxkvError(f"{source} entry {n}: expected an object, got {entry!r}")
-        for key in ("layer_idx", "bits"):
+        split = "key_bits" in entry and "value_bits" in entry
+        for key in ("layer_idx",) + (() if split else ("bits",)):
             if key not in entry:
                 raise MlxkvError(f"{source} entry {n}: missing {key!r}")
         idx = _int(n, "layer_idx", entry["layer_idx"])
-        bits = _int(n, "bits", entry["bits"])
+        bits = _int(n, "bits", entry["bits"]) if "bits" in entry else None
+        kbits = _int(n, "key_bits", entry.get("key_bits", bits))
+        vbits = _int(n, "value_bits", entry.get("value_bits", bits))
         group = _int(n, "group_size", entry.get("group_size", DEFAULT_GROUP))
         codec = entry.get("codec", "affine")
         if idx < 0:
@@ -43,16 +57,29 @@ def parse_kv_config(data, source: str = "kv_config") -> tuple[tuple[int, CodecSp
             raise MlxkvError(f"{source} entry {n}: layer_idx {idx} duplicates entry {seen[idx]}")
         if codec not in codec_names() or codec == "full":
             raise MlxkvError(f"{source} entry {n}: unknown codec {codec!r}")
-        if codec == "affine" and bits not in BITS:
-            raise MlxkvError(f"{source} entry {n} (layer {idx}): bits {bits} not in {list(BITS)}")
+        for b in {kbits, vbits}:
+            if codec == "affine" and b not in BITS:
+                raise MlxkvError(f"{source} entry {n} (layer {idx}): bits {b} not in {list(BITS)}")
         if codec == "affine" and group not in GROUPS:
             raise MlxkvError(f"{source} entry {n} (layer {idx}): group_size {group} not in {list(GROUPS)}")
+        group = group if codec in GROUPED else None
+        specs = CodecSpec(codec, kbits, group), CodecSpec(codec, vbits, group)
+        for spec in specs:
+            try:
+                make_codec(spec, 64)
+            except ValueError as e:
+                raise MlxkvError(f"{source} entry {n} (layer {idx}): {e}") from None
         seen[idx] = n
-        out.append((idx, CodecSpec(codec, bits, group)))
+        out.append((idx, *specs))
     return tuple(sorted(out))
 
 
 def load_kv_config(path: str | Path) -> tuple[tuple[int, CodecSpec], ...]:
+    """(layer_idx, key codec) per listed layer; `load_kv_layers` has the value codecs too."""
+    return tuple((i, k) for i, k, _ in load_kv_layers(path))
+
+
+def load_kv_layers(path: str | Path) -> Layers:
     path = Path(path)
     if not path.is_file():
         raise MlxkvError(f"kv_config file not found: {path}")
@@ -60,4 +87,4 @@ def load_kv_config(path: str | Path) -> tuple[tuple[int, CodecSpec], ...]:
         data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise MlxkvError(f"kv_config {path}: not valid JSON ({e})")
-    return parse_kv_config(data, source=f"kv_config {path.name}")
+    return parse_kv_layers(data, source=f"kv_config {path.name}")

@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..codecs import FULL, CodecSpec
-from .kv_config import load_kv_config
+from ..errors import MlxkvError
+from .kv_config import load_kv_layers
+from .kv_spec import GROUPED, KvScheme, parse_kv
 from .plan import MLX_LM_DEFAULT_START, KVPolicy
 from .profile import load_profile
 
@@ -21,22 +23,51 @@ class KVOptions:
     max_kv_size: int | None = None
     keep: int | None = None
     profile: str | None = None
+    kv: str | None = None  # the --kv vocabulary (kv_spec.py); excludes kv_bits/kv_group_size/kv_config
+
+
+def _scheme(o: KVOptions, prof: dict) -> KvScheme | None:
+    """The `--kv` scheme in force: the flag, else the profile's unless short flags override it."""
+    if o.kv is not None:
+        if o.kv_bits is not None or o.kv_group_size is not None or o.kv_config:
+            raise MlxkvError("--kv names the whole KV scheme: drop --kv-bits, --kv-group-size and --kv-config "
+                             "(e.g. --kv affine:4/g32, --kv config:FILE)")
+        return parse_kv(o.kv)
+    if "kv" in prof and o.kv_bits is None and not o.kv_config:
+        return parse_kv(prof["kv"])
+    return None
+
+
+def _layers(path: str) -> tuple[tuple, tuple | None]:
+    """(layer_codecs, layer_value_codecs or None) of a kv_config file."""
+    layers = load_kv_layers(path)
+    values = tuple((i, v) for i, k, v in layers if v != k)
+    return tuple((i, k) for i, k, _ in layers), values or None
 
 
 def resolve_policy(o: KVOptions) -> KVPolicy:
     prof = load_profile(o.profile) if o.profile else {}
+    window = o.max_kv_size if o.max_kv_size is not None else (prof.get("window") or None)
+    keep = o.keep if o.keep is not None else prof.get("keep", 4)
+    scheme = _scheme(o, prof)
+    if scheme is not None:  # compresses from the first token unless a start is given
+        layer_codecs, layer_values = _layers(scheme.config) if scheme.config else (None, None)
+        start = o.quantized_kv_start if o.quantized_kv_start is not None else prof.get("start", 0)
+        values = scheme.value if scheme.value != scheme.key else None
+        source = "kv_config" if layer_codecs is not None else "flags" if o.kv is not None else "profile"
+        return KVPolicy(scheme.key, start, window, keep, layer_codecs, source, value_codec=values,
+                        layer_value_codecs=layer_values, recent=scheme.recent)
     name = prof.get("codec", "affine" if prof.get("bits") else "full")
     bits = o.kv_bits if o.kv_bits is not None else prof.get("bits")
     group = o.kv_group_size or prof.get("group_size") or 64
     kv_config = o.kv_config or prof.get("kv_config")
-    window = o.max_kv_size if o.max_kv_size is not None else (prof.get("window") or None)
-    keep = o.keep if o.keep is not None else prof.get("keep", 4)
     if o.kv_bits is not None and name == "full":
         name = "affine"
+    group = group if name in GROUPED else None
     codec = CodecSpec(name, bits, group) if bits is not None and name != "full" else FULL
-    layer_codecs = load_kv_config(kv_config) if kv_config else None
+    layer_codecs, layer_values = _layers(kv_config) if kv_config else (None, None)
     start = o.quantized_kv_start if o.quantized_kv_start is not None else prof.get("start")
     if start is None:
         start = 0 if layer_codecs is not None else MLX_LM_DEFAULT_START
     source = "kv_config" if layer_codecs is not None else ("profile" if prof else "flags")
-    return KVPolicy(codec, start, window, keep, layer_codecs, source)
+    return KVPolicy(codec, start, window, keep, layer_codecs, source, layer_value_codecs=layer_values)

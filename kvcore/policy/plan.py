@@ -8,15 +8,17 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from ..cache import CompressedKVCache
-from ..codecs import BITS, FULL, GROUPS, CodecSpec, codec_names
+from ..codecs import BITS, FULL, GROUPS, CodecSpec, codec_names, make_codec
 from ..errors import MlxkvError
+from .kv_spec import kv_label
 
 MLX_LM_DEFAULT_START = 5000  # mlx-lm's quantized_kv_start default
 
 
 @dataclass(frozen=True)
 class KVPolicy:
-    """Resolved once per run. `layer_codecs` (from a kv_config) overrides `codec` per layer."""
+    """Resolved once per run. `layer_codecs` (from a kv_config) overrides `codec` per layer;
+    `value_codec` / `layer_value_codecs`, where given, are the values' codecs (else as the keys')."""
 
     codec: CodecSpec = FULL
     start: int = 0
@@ -25,6 +27,9 @@ class KVPolicy:
     layer_codecs: tuple[tuple[int, CodecSpec], ...] | None = None
     source: str = "flags"
     rollback: int | None = None  # speculative decoding: mlxkv caches on every layer, windows keep this many spare
+    value_codec: CodecSpec | None = None
+    layer_value_codecs: tuple[tuple[int, CodecSpec], ...] | None = None
+    recent: int = 0  # most recent tokens kept full precision in compressed layers
 
     def __post_init__(self):
         if self.codec.compresses:
@@ -34,6 +39,10 @@ class KVPolicy:
                 raise MlxkvError(f"--kv-bits must be one of {list(BITS)}, got {self.codec.bits}")
             if self.codec.name == "affine" and self.codec.group_size not in GROUPS:
                 raise MlxkvError(f"--kv-group-size must be one of {list(GROUPS)}, got {self.codec.group_size}")
+        for spec in {self.codec, self.value_codec or FULL, *dict(self.layer_value_codecs or ()).values()}:
+            _check_spec(spec)
+        if self.recent < 0:
+            raise MlxkvError(f"recent tokens must be >= 0, got {self.recent}")
         if self.start < 0:
             raise MlxkvError(f"--quantized-kv-start must be >= 0, got {self.start}")
         if self.max_kv_size is not None and self.max_kv_size <= self.keep:
@@ -41,7 +50,7 @@ class KVPolicy:
 
     @property
     def compresses(self) -> bool:
-        return self.codec.compresses or bool(self.layer_codecs)
+        return self.codec.compresses or (self.value_codec or FULL).compresses or bool(self.layer_codecs)
 
     @property
     def active(self) -> bool:
@@ -53,6 +62,27 @@ class KVPolicy:
             return dict(self.layer_codecs).get(layer, FULL)
         return self.codec
 
+    def value_codec_for(self, layer: int) -> CodecSpec:
+        if self.layer_codecs is not None:
+            return dict(self.layer_value_codecs or ()).get(layer, self.codec_for(layer))
+        return self.value_codec or self.codec
+
+    def label(self) -> str:
+        """The `--kv` value this policy stands for (`per-layer` for a kv_config)."""
+        if self.layer_codecs is not None:
+            return "per-layer"
+        return kv_label(self.codec, self.value_codec or self.codec) + (f"/r{self.recent}" if self.recent else "")
+
+
+def _check_spec(spec: CodecSpec) -> None:
+    """A codec that cannot be built from `spec` (bad bits or group) is a one-line error."""
+    if not spec.compresses:
+        return
+    try:
+        make_codec(spec, 64)
+    except ValueError as e:
+        raise MlxkvError(str(e)) from None
+
 
 @dataclass(frozen=True)
 class LayerPlan:
@@ -62,10 +92,24 @@ class LayerPlan:
     start: int | None = None
     window: int | None = None
     keep: int = 0
+    value_codec: CodecSpec | None = None  # None: as `codec`
+    recent: int = 0
+
+    @property
+    def values(self) -> CodecSpec:
+        return self.value_codec or self.codec
+
+    @property
+    def compresses(self) -> bool:
+        return self.codec.compresses or self.values.compresses
+
+    def label(self) -> str:
+        return kv_label(self.codec, self.values) + (f"/r{self.recent}" if self.recent else "")
 
     def to_json(self) -> dict:
         return {"layer": self.index, "kind": self.kind, **self.codec.to_json(),
-                "start": self.start, "window": self.window, "keep": self.keep}
+                "start": self.start, "window": self.window, "keep": self.keep,
+                "value": self.values.to_json(), "recent": self.recent}
 
 
 def _template(model: nn.Module) -> list:
@@ -115,8 +159,10 @@ def plan_layers(model: nn.Module, policy: KVPolicy) -> list[LayerPlan]:
         else:
             plans.append(LayerPlan(i, "other"))
             continue
-        codec = policy.codec_for(i)
-        plans.append(LayerPlan(i, kind, codec, policy.start if codec.compresses else None, window, keep))
+        codec, values = policy.codec_for(i), policy.value_codec_for(i)
+        on = codec.compresses or values.compresses
+        plans.append(LayerPlan(i, kind, codec, policy.start if on else None, window, keep,
+                               values if values != codec else None, policy.recent if on else 0))
     return plans
 
 
@@ -138,6 +184,6 @@ def build_caches(model: nn.Module, policy: KVPolicy) -> tuple[list, list[LayerPl
         if p.kind == "other":
             caches.append(c)
         else:
-            caches.append(CompressedKVCache(p.codec, start=p.start or 0, window=p.window, keep=p.keep,
-                                            spare=policy.rollback or 0))
+            caches.append(CompressedKVCache(p.codec, p.value_codec, start=p.start or 0, window=p.window, keep=p.keep,
+                                            spare=policy.rollback or 0, recent=p.recent))
     return caches, plans

@@ -4,7 +4,8 @@ Schema (every key optional):
 ```toml
 description = "4-bit affine KV from the first token"
 [kv]
-codec = "affine"      # "full" | "affine"
+kv = "turbo:k4v3"     # a --kv value (kv_spec.py): replaces codec/bits/group_size/kv_config
+codec = "affine"      # "full" | "affine" | "turbo"
 bits = 4              # 2 3 4 5 6 8
 group_size = 64       # 32 64 128
 start = 0             # quantized-kv-start: tokens kept full precision before converting
@@ -27,7 +28,8 @@ else:  # pragma: no cover
 from ..errors import MlxkvError
 
 PROFILE_DIR = Path(__file__).resolve().parents[1] / "profiles"
-KEYS = {"codec": str, "bits": int, "group_size": int, "start": int, "window": int, "keep": int, "kv_config": str}
+KEYS = {"kv": str, "codec": str, "bits": int, "group_size": int, "start": int, "window": int, "keep": int,
+        "kv_config": str}
 
 
 def profile_names() -> list[str]:

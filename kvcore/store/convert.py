@@ -79,13 +79,17 @@ def _window(e: dict) -> tuple[int | None, int]:
     return (e["window"], e["keep"]) if e["kind"] == "compressed" else (None, 0)
 
 
-def _rebuild(i: int, e: dict, parts: list, spec: CodecSpec) -> CompressedKVCache:
+def _rebuild(i: int, e: dict, parts: list, spec: CodecSpec, value_spec: CodecSpec | None = None,
+             recent: int = 0) -> CompressedKVCache:
     sink, rest, stored_from = _dense(e, parts)
     window, keep = _window(e)
     offset = e["offset"]
     stored_from = max(stored_from, keep) if window else 0
+    value_spec = value_spec or spec
+    on = spec.compresses or value_spec.compresses
     layout = {
-        "key": spec.to_json(), "value": spec.to_json(), "start": offset if spec.compresses else None,
+        "key": spec.to_json(), "value": value_spec.to_json(), "start": offset if on else None,
+        "recent": recent if on else 0,
         "window": window, "keep": keep, "offset": offset, "converted": False,
         "enc_start": stored_from, "tail_start": stored_from, "sink": sink[0].shape[2] if sink else 0,
         "enc": 0, "tail": rest[0].shape[2] if rest else 0, "key_parts": None, "dims": e["dims"], "dtype": e["dtype"],
@@ -102,7 +106,7 @@ def _rebuild(i: int, e: dict, parts: list, spec: CodecSpec) -> CompressedKVCache
 
 def _precision(spec: CodecSpec | None) -> tuple[int, int]:
     """Order codecs by information kept: (bits, -group); full precision is highest."""
-    return (99, 0) if spec is None or not spec.compresses else (spec.bits, -spec.group_size)
+    return (99, 0) if spec is None or not spec.compresses else (spec.bits, -(spec.group_size or 0))
 
 
 def _stored_spec(e: dict) -> CodecSpec | None:
@@ -130,7 +134,7 @@ def convert_cache_file(src: str | Path, dst: str | Path, policy: KVPolicy) -> Co
             continue
         if _precision(spec) > _precision(_stored_spec(e)) and _stored_spec(e) is not None:
             raised.append(i)
-        out.append(_rebuild(i, e, parts, spec))
+        out.append(_rebuild(i, e, parts, spec, policy.value_codec_for(i), policy.recent))
         mx.eval(out[-1].state)
         del parts
     notices = []

@@ -38,6 +38,8 @@ def _layer_row(cf: CacheFile, i: int) -> dict:
         row.update(kind=window, **_codec_row(e["key"], D), start=e["start"], converted=e["converted"])
         if e["value"] != e["key"]:
             row["value_codec"] = CodecSpec(e["value"]["codec"], e["value"]["bits"], e["value"]["group_size"]).label()
+        if e.get("recent"):
+            row["recent"] = e["recent"]
     elif e["kind"] == "kv":
         row.update(kind="full", codec="full")
     elif e["kind"] == "rotating":

@@ -20,6 +20,7 @@ from ..cache import CompressedKVCache
 from ..codecs import BITS, FULL, GROUPS, CodecSpec, codec_names, make_codec
 from ..errors import MlxkvError
 from ..policy import LayerPlan
+from ..policy.kv_spec import GROUPED
 from .safetensors import dtype_name
 from .schema import Fail, Fields
 
@@ -69,7 +70,7 @@ def _spec(f: Fields, key: str) -> CodecSpec:
     name = s.str("codec", codec_names())
     if name == "full":
         return FULL
-    bits, group = s.int("bits", 1, 64), s.int("group_size", 1, 4096)
+    bits, group = s.int("bits", 1, 64), s.int("group_size", 1, 4096, optional=name not in GROUPED)
     if name == "affine" and (bits not in BITS or group not in GROUPS):
         raise f.fail(f"{f.where}.{key}: affine bits/group {bits}/{group} not in {list(BITS)}/{list(GROUPS)}")
     return CodecSpec(name, bits, group)
@@ -89,6 +90,9 @@ def _check_compressed(f: Fields, fail: Fail) -> list[Shape]:
     if start is None and (kspec.compresses or vspec.compresses):
         raise fail(f"{w}: a compressing codec needs a start")
     window, keep = f.int("window", lo=1, optional=True), f.int("keep")
+    recent = f.int("recent", hi=MAX_DIM) if "recent" in e else 0  # files before `recent` have none
+    if recent and start is None:
+        raise fail(f"{w}: recent tokens {recent} without a compressing codec")
     if (window is not None and keep >= window) or (window is None and keep):
         raise fail(f"{w}: keep {keep} does not fit window {window}")
     offset, converted = f.int("offset"), f.bool("converted")
@@ -140,13 +144,14 @@ def _rebuild_compressed(entry: dict, arrays: list):
 
 def _fresh_compressed(e: dict):
     spec = lambda d: CodecSpec(d["codec"], d["bits"], d["group_size"])  # noqa: E731
-    return CompressedKVCache(spec(e["key"]), spec(e["value"]), e["start"] or 0, e["window"], e["keep"])
+    return CompressedKVCache(spec(e["key"]), spec(e["value"]), e["start"] or 0, e["window"], e["keep"],
+                             recent=e.get("recent", 0))
 
 
 def _plan_compressed(e: dict, i: int) -> LayerPlan:
-    k = e["key"]
-    spec = CodecSpec(k["codec"], k["bits"], k["group_size"])
-    return LayerPlan(i, "window" if e["window"] else "full-attention", spec, e["start"], e["window"], e["keep"])
+    k, v = (CodecSpec(d["codec"], d["bits"], d["group_size"]) for d in (e["key"], e["value"]))
+    return LayerPlan(i, "window" if e["window"] else "full-attention", k, e["start"], e["window"], e["keep"],
+                     v if v != k else None, e.get("recent", 0))
 
 
 def _tokens_compressed(e: dict) -> int:

@@ -1,0 +1,68 @@
+"""Pack b-bit indices (1 <= b <= 8) densely into bytes, in pure MLX.
+
+Along the last axis, every 8 / gcd(b, 8) values fill b / gcd(b, 8) bytes exactly: value i
+occupies the bit range [i*b, i*b + b) of the group's little-endian bit stream, split over two
+bytes where it crosses a byte boundary. Packing and unpacking are shifts and masks:
+```
+value i, byte j: offset o = i*b - 8*j   (bits of value i start at bit o of byte j)
+pack:   byte_j  = sum_i ((v_i >> max(-o, 0)) << max(o, 0))   over the values that touch byte j
+unpack: v_i     = sum_j (((byte_j >> max(o, 0)) << max(-o, 0)) & (2**b - 1))
+```
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import mlx.core as mx
+import numpy as np
+
+
+def group_shape(bits: int) -> tuple[int, int]:
+    """(values, bytes) per packing group."""
+    g = math.gcd(bits, 8)
+    return 8 // g, bits // g
+
+
+def packed_bytes(n: int, bits: int) -> int:
+    """Bytes that `n` values take (n padded up to a whole group)."""
+    vals, nbytes = group_shape(bits)
+    return -(-n // vals) * nbytes
+
+
+@lru_cache(maxsize=None)
+def _shifts(bits: int) -> tuple[mx.array, mx.array, mx.array]:
+    """(left, right, touches) for every (value, byte) pair of one group: (values, bytes) each."""
+    vals, nbytes = group_shape(bits)
+    o = np.arange(vals)[:, None] * bits - 8 * np.arange(nbytes)[None, :]
+    touches = (o < 8) & (o + bits > 0)
+    left = np.where(touches, np.maximum(o, 0), 0).astype(np.uint8)
+    right = np.where(touches, np.maximum(-o, 0), 0).astype(np.uint8)
+    return mx.array(left), mx.array(right), mx.array(touches)
+
+
+def pack(idx: mx.array, bits: int) -> mx.array:
+    """idx: (..., n) integers in [0, 2**bits) -> (..., packed_bytes(n, bits)) uint8."""
+    vals, nbytes = group_shape(bits)
+    n = idx.shape[-1]
+    pad = -n % vals
+    v = idx.astype(mx.uint8)
+    if pad:
+        v = mx.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, pad)])
+    left, right, touches = _shifts(bits)
+    v = v.reshape(*v.shape[:-1], -1, vals, 1)  # (..., groups, values, 1)
+    parts = mx.where(touches, (v >> right) << left, 0).astype(mx.uint8)  # (..., groups, values, bytes)
+    out = parts.sum(axis=-2).astype(mx.uint8)  # disjoint bits: the sum is the OR
+    return out.reshape(*out.shape[:-2], -1)
+
+
+def unpack(packed: mx.array, bits: int, n: int) -> mx.array:
+    """(..., packed_bytes(n, bits)) uint8 -> (..., n) uint8 indices."""
+    vals, nbytes = group_shape(bits)
+    left, right, touches = _shifts(bits)
+    p = packed.reshape(*packed.shape[:-1], -1, 1, nbytes)  # (..., groups, 1, bytes)
+    mask = mx.array((1 << bits) - 1, dtype=mx.uint8)
+    parts = mx.where(touches, ((p >> left) << right) & mask, 0).astype(mx.uint8)  # (..., groups, values, bytes)
+    out = parts.sum(axis=-1).astype(mx.uint8)
+    return out.reshape(*out.shape[:-2], -1)[..., :n]
