@@ -6,7 +6,7 @@ import pytest
 
 from kvcore.cache import CompressedKVCache
 from kvcore.codecs import CodecSpec, make_codec
-from kvcore.codecs.bitpack import pack, packed_bytes, unpack
+from kvcore.codecs.bitpack import chunk_table, lookup, pack, packed_bytes, unpack
 from kvcore.codecs.lloyd_max import expected_mse, gaussian_codebook
 from kvcore.codecs.rotation import make_rotation
 from kvcore.errors import MlxkvError
@@ -65,12 +65,13 @@ def test_error_within_the_lloyd_max_bound(dim, bits):
     assert rel.max().item() <= 4 * expected_mse(bits)
 
 
-@pytest.mark.parametrize("bits", [1, 2, 4, 8])
-def test_byte_table_decode_equals_unpacking(bits):
-    codec = make_codec(CodecSpec("turbo", bits), 80)
-    packed, scale = codec.encode(mx.random.normal((1, 2, 9, 80)))
-    c = codec.centroids[unpack(packed, bits, 80)] * scale.astype(mx.float32)
-    assert mx.array_equal(codec.decode((packed, scale), mx.float32), codec.rotation.inverse(c))
+@pytest.mark.parametrize("bits", range(1, 9))
+@pytest.mark.parametrize("n", [64, 80, 12])
+def test_chunk_table_lookup_equals_unpacking(bits, n):
+    values = np.linspace(-1, 1, 2**bits)
+    x = mx.random.randint(0, 2**bits, (2, 3, n)).astype(mx.uint8)
+    got = lookup(pack(x, bits), chunk_table(values, bits), bits, n)
+    assert got.shape == x.shape and mx.array_equal(got, mx.array(values.astype(np.float32))[x])
 
 
 def test_fixed_input_gives_identical_encoding():

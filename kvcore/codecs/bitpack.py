@@ -8,6 +8,8 @@ value i, byte j: offset o = i*b - 8*j   (bits of value i start at bit o of byte 
 pack:   byte_j  = sum_i ((v_i >> max(-o, 0)) << max(o, 0))   over the values that touch byte j
 unpack: v_i     = sum_j (((byte_j >> max(o, 0)) << max(-o, 0)) & (2**b - 1))
 ```
+`lookup` unpacks and maps indices to values in one step: a table indexed by a chunk of m
+consecutive indices (m * b <= 14 bits) gives their m values with one gather per chunk.
 """
 
 from __future__ import annotations
@@ -66,3 +68,32 @@ def unpack(packed: mx.array, bits: int, n: int) -> mx.array:
     parts = mx.where(touches, ((p >> left) << right) & mask, 0).astype(mx.uint8)  # (..., groups, values, bytes)
     out = parts.sum(axis=-1).astype(mx.uint8)
     return out.reshape(*out.shape[:-2], -1)[..., :n]
+
+
+def _chunk_values(bits: int) -> int:
+    """Indices per table lookup: the most (a divisor of 8) that fit in 14 bits."""
+    return max(m for m in (1, 2, 4, 8) if m * bits <= 14)
+
+
+def chunk_table(values: np.ndarray, bits: int) -> mx.array:
+    """(2**(m*bits), m) float32: the values of the m indices a chunk code holds, in packing order."""
+    m = _chunk_values(bits)
+    code = np.arange(2 ** (m * bits))[:, None]
+    idx = (code >> (bits * np.arange(m))[None]) & ((1 << bits) - 1)
+    return mx.array(values[idx].astype(np.float32))
+
+
+def lookup(packed: mx.array, table: mx.array, bits: int, n: int) -> mx.array:
+    """(..., packed_bytes(n, bits)) uint8 -> (..., n) float32 values, `table` from `chunk_table`."""
+    m = _chunk_values(bits)
+    if m * bits == 8:  # chunks are the bytes themselves
+        return table[packed].reshape(*packed.shape[:-1], -1)[..., :n]
+    if n % 8:  # rare head dims: unpack, then one lookup per index (row i < 2**bits starts with value i)
+        return table[: 2**bits, 0][unpack(packed, bits, n)]
+    # 8 indices fill `bits` bytes: one little-endian word per group, then its chunks
+    g = packed.reshape(*packed.shape[:-1], n // 8, bits).astype(mx.uint64)  # (..., groups, bytes)
+    word = (g << mx.array(8 * np.arange(bits), dtype=mx.uint64)).sum(axis=-1)  # disjoint bits: sum = OR
+    shifts = mx.array(m * bits * np.arange(8 // m), dtype=mx.uint64)
+    codes = (word[..., None] >> shifts) & ((1 << (m * bits)) - 1)  # (..., groups, 8 // m)
+    return table[codes].reshape(*packed.shape[:-1], n)
+

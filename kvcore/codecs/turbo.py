@@ -14,10 +14,9 @@ bits + 16/d (k4v3 at d = 64: 4.25 and 3.25). One token per block: encoding is pe
 from __future__ import annotations
 
 import mlx.core as mx
-import numpy as np
 
 from .base import CodecSpec, Encoded
-from .bitpack import pack, packed_bytes, unpack
+from .bitpack import chunk_table, lookup, pack, packed_bytes
 from .lloyd_max import gaussian_codebook
 from .rotation import make_rotation
 
@@ -39,7 +38,7 @@ class TurboCodec:
         c, b = gaussian_codebook(self.bits)
         self.centroids = mx.array(c.astype("float32"))  # (2**bits,)
         self.boundaries = mx.array(b.astype("float32"))  # (2**bits - 1,)
-        self.byte_table = _byte_table(c, self.bits) if 8 % self.bits == 0 else None  # (256, 8 // bits)
+        self.table = chunk_table(c, self.bits)  # centroids of every chunk of packed indices
 
     def _index(self, z: mx.array) -> mx.array:
         """z: (..., d) in N(0, 1) units -> cell index (..., d), by binary search over the boundaries."""
@@ -61,10 +60,7 @@ class TurboCodec:
 
     def decode(self, enc: Encoded, dtype: mx.Dtype) -> mx.array:
         packed, scale = enc
-        if self.byte_table is not None:  # one lookup per byte instead of unpacking each index
-            c = self.byte_table[packed].reshape(*packed.shape[:-1], -1)[..., : self.head_dim]
-        else:
-            c = self.centroids[unpack(packed, self.bits, self.head_dim)]  # (B, H, T, d)
+        c = lookup(packed, self.table, self.bits, self.head_dim)  # (B, H, T, d) centroids
         return self.rotation.inverse(c * scale.astype(mx.float32)).astype(dtype)
 
     def bytes_per_token(self, n_heads: int) -> float:
@@ -74,9 +70,3 @@ class TurboCodec:
         rot = "hadamard" if self.rotation.signs is not None else "qr"
         return {**self.spec.to_json(), "rotation": rot, "seed": SEED, "block_tokens": 1}
 
-
-def _byte_table(centroids: np.ndarray, bits: int) -> mx.array:
-    """(256, 8 // bits): the centroids of the indices one packed byte holds, in packing order."""
-    byte = np.arange(256)[:, None]
-    idx = (byte >> (bits * np.arange(8 // bits))[None]) & ((1 << bits) - 1)
-    return mx.array(centroids[idx].astype(np.float32))
