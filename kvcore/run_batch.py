@@ -55,18 +55,28 @@ def run_batch(job: GenerateJob, specs: list[PromptSpec], opts: BatchOptions,
     with attention_context(lm.model, required=policy.compresses) as stats:
         completions = engine.run(requests)
     wall = time.perf_counter() - t0
+    summary = batch_summary(lm, completions, engine, opts.batch_size, policy, plan, budget, wall, stats.path,
+                            dist.size)
+    return RunResult(completions, summary, [])
+
+
+def batch_summary(lm, completions, engine, batch_size: int, policy, plan, budget: int, wall: float,
+                  attention_path: str, ranks: int) -> dict:
+    """The JSON summary of a run through the batching engine (plain or speculative)."""
     generated = sum(len(c.token_ids) for c in completions)
+    prompt = sum(c.prompt_tokens for c in completions)
     peak_kv = engine.peak_kv or {"kv_bytes": 0, "kv_elements": 0, "bits_per_element": None}
-    summary = {
+    return {
         "type": "summary",
         "model": lm.source,
         "rows": len(completions),
-        "batch_size": opts.batch_size,
-        "prompt_tokens": sum(c.prompt_tokens for c in completions),
+        "batch_size": batch_size,
+        "prompt_tokens": prompt,
         "generated_tokens": generated,
-        "total_tokens": generated + sum(c.prompt_tokens for c in completions),
+        "total_tokens": generated + prompt,
         "wall_time_s": round(wall, 4),
         "aggregate_tps": round(generated / wall, 2) if wall else 0.0,
+        "decode_tps": round(engine.decoded / engine.decode_time, 2) if engine.decode_time else 0.0,
         "peak_memory_bytes": mx.get_peak_memory(),
         **{k: peak_kv.get(k) for k in ("kv_bytes", "kv_elements", "bits_per_element")},
         "kv_budget_bytes": budget,
@@ -75,8 +85,7 @@ def run_batch(job: GenerateJob, specs: list[PromptSpec], opts: BatchOptions,
         "plan": [p.to_json() for p in plan],
         "decode_steps": sum(1 for t in engine.trace if t[0] == "decode"),
         "backend": backend_name(),
-        "ranks": dist.size,
-        "attention_path": stats.path,
+        "ranks": ranks,
+        "attention_path": attention_path,
         "versions": versions(),
     }
-    return RunResult(completions, summary, [])

@@ -10,7 +10,6 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from .attention import attention_context
-from .backend import backend_name, versions
 from .engine import GenerateConfig, Request
 from .engine.memory import default_kv_budget, row_kv_bytes
 from .engine.prompt import encode_prompt
@@ -19,7 +18,7 @@ from .errors import MlxkvError
 from .models import load_model
 from .policy import build_caches, resolve_policy
 from .run import GenerateJob, RunResult
-from .run_batch import BatchOptions
+from .run_batch import BatchOptions, batch_summary
 from .spec import SpecEngine, SpecOptions, draft_for_job
 
 
@@ -57,27 +56,6 @@ def run_speculative(job: GenerateJob, specs: list[PromptSpec], opts: BatchOption
         stats = stack.enter_context(attention_context(lm.model))
         completions = engine.run(requests)
     wall = time.perf_counter() - t0
-    generated = sum(len(c.token_ids) for c in completions)
-    peak_kv = engine.peak_kv or {"kv_bytes": 0, "kv_elements": 0, "bits_per_element": None}
-    summary = {
-        "type": "summary",
-        "model": lm.source,
-        "rows": len(completions),
-        "batch_size": opts.batch_size,
-        "prompt_tokens": sum(c.prompt_tokens for c in completions),
-        "generated_tokens": generated,
-        "wall_time_s": round(wall, 4),
-        "aggregate_tps": round(generated / wall, 2) if wall else 0.0,
-        "decode_tps": round(engine.decoded / engine.decode_time, 2) if engine.decode_time else 0.0,
-        "peak_memory_bytes": mx.get_peak_memory(),
-        **{k: peak_kv.get(k) for k in ("kv_bytes", "kv_elements", "bits_per_element")},
-        "kv_budget_bytes": budget,
-        "kv_policy": {"source": policy.source, "codec": policy.codec.label(), "start": policy.start,
-                      "max_kv_size": policy.max_kv_size},
-        "plan": [p.to_json() for p in plan],
-        "speculative": {**draft.describe(), **engine.stats.to_json()},
-        "backend": backend_name(),
-        "attention_path": stats.path,
-        "versions": versions(),
-    }
+    summary = batch_summary(lm, completions, engine, opts.batch_size, policy, plan, budget, wall, stats.path, 1)
+    summary["speculative"] = {**draft.describe(), **engine.stats.to_json()}
     return RunResult(completions, summary, [])
