@@ -33,13 +33,29 @@ def mlx_lm_greedy(model, ids, n, prompt_cache=None):
     return toks, margin
 
 
-def margin_under(model, ids, generated, opts: KVOptions, chunk: int = 64) -> float:
-    """Min top-1 margin over the generated positions, teacher-forced through `opts`' caches."""
+def greedy_margins(model, ids, generated, opts: KVOptions, chunk: int = 64) -> list[float]:
+    """Top-1 margin at each generated position, teacher-forced through `opts`' caches."""
     caches, _ = build_caches(model, resolve_policy(opts))
     lp = teacher_forced_logprobs(model, list(ids) + list(generated), caches, chunk)
     steps = lp[len(ids) - 1 : len(ids) - 1 + len(generated)]
     top2 = mx.sort(steps, axis=-1)[:, -2:]
-    return (top2[:, 1] - top2[:, 0]).min().item()
+    return (top2[:, 1] - top2[:, 0]).tolist()
+
+
+def margin_under(model, ids, generated, opts: KVOptions, chunk: int = 64) -> float:
+    """Min top-1 margin over the generated positions, teacher-forced through `opts`' caches."""
+    return min(greedy_margins(model, ids, generated, opts, chunk))
+
+
+def tie_free_prefix(model, ids, generated, opts: KVOptions, tie: float = 0.1) -> int:
+    """How many leading generated tokens have a top-1 margin of at least `tie` under `opts`.
+
+    Quantized KV is only chunk-invariant up to rounding: a different prefill matmul shape can
+    move a value across a quantization bin, so a near-tie may legitimately resolve either way.
+    Token equality is asserted up to the first such near-tie.
+    """
+    margins = greedy_margins(model, ids, generated, opts)
+    return next((i for i, m in enumerate(margins) if m < tie), len(margins))
 
 
 class DoubledScales(AffineCodec):

@@ -5,7 +5,7 @@ from mlx_lm import load
 from mlx_lm.models.cache import RotatingKVCache
 
 from fixtures.tiny_models import FAMILIES, MIN_MARGIN
-from helpers import PROMPT, margin_under, mlx_lm_greedy, ours
+from helpers import PROMPT, margin_under, mlx_lm_greedy, ours, tie_free_prefix
 from kvcore.policy import KVOptions
 
 
@@ -77,5 +77,6 @@ def test_sliding_window_compressed_past_wraps(loaded, bits):
     model, tok, ids = loaded("gemma3")  # window 16 on sliding layers, global layers between
     opts = KVOptions(kv_bits=bits, kv_group_size=32, quantized_kv_start=0)
     base, _ = ours(model, tok, ids, 60, opts, chunk=512)
-    assert len(base) >= 40
-    assert ours(model, tok, ids, 60, opts, chunk=5)[0] == base
+    sure = tie_free_prefix(model, ids, base, opts)
+    assert sure >= 20 and len(ids) + sure > 3 * 16  # several wraps of the 16-token window
+    assert ours(model, tok, ids, 60, opts, chunk=5)[0][:sure] == base[:sure]
