@@ -21,11 +21,14 @@ from . import bench_output
 from .options import DtypeOpt, JsonOpt, ModelOpt
 
 
-def _ints(text: str, what: str) -> tuple[int, ...]:
+def parse_ints(text: str, what: str) -> tuple[int, ...]:
     try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
+        values = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise MlxkvError(f"{what}: expected comma-separated integers, got {text!r}")
+        raise MlxkvError(f"{what}: expected comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise MlxkvError(f"{what} needs positive integers, got {text!r}")
+    return values
 
 
 def bench(
@@ -33,7 +36,8 @@ def bench(
     shape: Annotated[Optional[str], typer.Option(help="Random-weight model of a named shape (llama-8b, qwen3-4b, gemma3-12b, ...).")] = None,
     weight_bits: Annotated[str, typer.Option(help="With --shape: full, 8 or 4.")] = "full",
     dtype: DtypeOpt = None,
-    kv: Annotated[str, typer.Option(help="Comma-separated KV schemes: full, affine:8, affine:4, affine:4/g32.")] = "full,affine:8,affine:4",
+    kv: Annotated[str, typer.Option(help="Comma-separated KV schemes, as generate's --kv takes them "
+                                         "(full, affine:4/g32, turbo:k4v3, turbo:4/r16, config:FILE).")] = "full,affine:8,affine:4",
     context: Annotated[str, typer.Option(help="Comma-separated prompt lengths.")] = "512",
     batch: Annotated[str, typer.Option(help="Comma-separated row counts.")] = "1",
     gen: Annotated[int, typer.Option(help="Tokens generated per row.")] = 64,
@@ -46,8 +50,8 @@ def bench(
     json_out: JsonOpt = False,
 ):
     """Benchmark KV schemes side by side with mlx-lm."""
-    cfg = BenchConfig(tuple(s.strip() for s in kv.split(",") if s.strip()), _ints(context, "--context"),
-                      _ints(batch, "--batch"), gen, repeats, seed, not no_baseline)
+    cfg = BenchConfig(tuple(s.strip() for s in kv.split(",") if s.strip()), parse_ints(context, "--context"),
+                      parse_ints(batch, "--batch"), gen, repeats, seed, not no_baseline)
     if plot is not None:
         bench_output.require_matplotlib()
     if shape and model:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -11,12 +10,13 @@ from rich.table import Table
 
 from kvcore.bench import SHAPES
 from kvcore.bench.shapes import shape_weight_bytes
-from kvcore.bench.fit import fit_table, policy_with_kv_config, weight_bytes_from_files
+from kvcore.bench.fit import fit_table, weight_bytes_from_files
 from kvcore.bench.grid import scheme_policy
 from kvcore.errors import MlxkvError
 from kvcore.models import resolve_model_path
 from kvcore.units import format_bytes, parse_bytes
 
+from .bench import parse_ints
 from .bench_output import out
 from .options import JsonOpt, KvConfigOpt, ModelOpt
 
@@ -26,7 +26,8 @@ def fit(
     model: ModelOpt = None,
     shape: Annotated[Optional[str], typer.Option(help="A named shape instead of a model folder.")] = None,
     weight_bits: Annotated[str, typer.Option(help="With --shape: full, 8 or 4.")] = "full",
-    kv: Annotated[str, typer.Option(help="Comma-separated KV schemes.")] = "full,affine:8,affine:4",
+    kv: Annotated[str, typer.Option(help="Comma-separated KV schemes, as generate's --kv takes them "
+                                         "(full, affine:4/g32, turbo:k4v3, turbo:4/r16, config:FILE).")] = "full,affine:8,affine:4",
     kv_config: KvConfigOpt = None,
     batch: Annotated[str, typer.Option(help="Batch sizes to find the longest context for.")] = "1,4,16",
     context: Annotated[str, typer.Option(help="Contexts to find the largest batch for.")] = "8192,32768,131072",
@@ -35,6 +36,12 @@ def fit(
 ):
     """Largest context per batch and largest batch per context, per KV scheme (no weights loaded)."""
     budget = parse_bytes(memory, "--memory")
+    policies = {s.strip(): scheme_policy(s.strip()) for s in kv.split(",") if s.strip()}
+    if kv_config:
+        policies["kv_config"] = scheme_policy(f"config:{kv_config}")
+    if not policies:
+        raise MlxkvError("--kv: no schemes given (e.g. --kv full,affine:4,turbo:k4v3)")
+    batches, contexts = parse_ints(batch, "--batch"), parse_ints(context, "--context")
     if shape:
         if shape not in SHAPES:
             raise MlxkvError(f"unknown shape {shape!r}")
@@ -48,11 +55,6 @@ def fit(
             raise MlxkvError("fit reads a model folder's config.json; convert a GGUF first (convert-model)")
         config = json.loads((path / "config.json").read_text())
         weights = weight_bytes_from_files(path)
-    policies = {s.strip(): scheme_policy(s.strip()) for s in kv.split(",") if s.strip()}
-    if kv_config:
-        policies["kv_config"] = policy_with_kv_config(str(kv_config))
-    batches = [int(x) for x in batch.split(",")]
-    contexts = [int(x) for x in context.split(",")]
     rows = fit_table(config, policies, budget, weights, batches, contexts, dtype_bytes)
     if json_out:
         print(json.dumps({"budget_bytes": budget, "weight_bytes": weights, "rows": [r.to_json() for r in rows]}))

@@ -77,6 +77,8 @@ def test_bench_plot_written(tmp_path):
 
 @pytest.mark.parametrize("args,message", [
     (["--kv", "zip:3"], "unknown KV scheme"),
+    (["--kv", "full,turbo:k4"], "bits must be N or kNvM"),
+    (["--kv", ","], "no schemes given"),
     (["--context", "a,b"], "comma-separated integers"),
     (["--shape", "nope"], "unknown shape"),
     (["--batch", "0"], "positive integers"),

@@ -4,10 +4,12 @@ the largest batch per context for each KV scheme under a memory budget."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
+from ..cache.compressed import TRIM_STEP
+from ..codecs import CodecSpec, make_codec
 from ..policy import KVPolicy
-from ..policy.kv_config import load_kv_config
 
 
 @dataclass(frozen=True)
@@ -45,21 +47,51 @@ def layer_shapes(config: dict) -> list[LayerShape]:
     return out
 
 
-def _bytes_per_element(spec, dtype_size: int) -> float:
-    return dtype_size if not spec.compresses else ((spec.bits or 8) + 32 / (spec.group_size or 64)) / 8
+@cache
+def _codec(spec: CodecSpec, head_dim: int):
+    return make_codec(spec, head_dim)
+
+
+def layer_bytes(s: LayerShape, key: CodecSpec, value: CodecSpec, tokens: int, dtype_size: int = 2,
+                recent: int = 0, keep: int = 0) -> int:
+    """Bytes of one row's cache of layer `s` holding `tokens` tokens, as CompressedKVCache stores
+    them: the `keep` sink tokens, the `recent` newest and an incomplete codec block stay dense
+    (`dtype_size` bytes an element); every complete block before them costs the codecs' own
+    bytes_per_token (turbo: packed indices + a float16 norm per vector; affine: packed words +
+    float16 scale and bias per group)."""
+    kc, vc = _codec(key, s.head_dim), _codec(value, s.head_dim)
+    dense = s.kv_heads * s.head_dim * dtype_size  # one of K or V, one token
+    if kc is None and vc is None:
+        return tokens * 2 * dense
+    block = (kc or vc).block_tokens
+    encoded = max(0, tokens - min(tokens, keep) - recent) // block * block
+    per_token = sum(c.bytes_per_token(s.kv_heads) if c else dense for c in (kc, vc))
+    return (tokens - encoded) * 2 * dense + round(encoded * per_token)
+
+
+def stored_tokens(s: LayerShape, policy: KVPolicy, tokens: int) -> int:
+    """Tokens layer `s` of one row holds at most, `tokens` into a run: windows are capped at the
+    window (mlx-lm's caches), or at the window plus TRIM_STEP - 1 (and rollback spares) for
+    mlxkv's, which drop old tokens TRIM_STEP at a time; --max-kv-size windows full-attention layers."""
+    window = s.window or policy.max_kv_size
+    if not window:
+        return tokens
+    if policy.active:
+        window += TRIM_STEP - 1 + (policy.rollback or 0)
+    return min(tokens, window)
 
 
 def row_bytes(shapes: list[LayerShape], policy: KVPolicy, tokens: int, dtype_size: int = 2) -> int:
-    """KV bytes of one row holding `tokens` tokens (windows capped; --max-kv-size applies to
-    full-attention layers)."""
-    total = 0.0
+    """KV bytes of one row holding `tokens` tokens (`stored_tokens` per layer; the first `keep`
+    tokens of a --max-kv-size window stay dense)."""
+    total = 0
     for i, s in enumerate(shapes):
         if s.kind == "other":
             continue
-        window = s.window or policy.max_kv_size
-        t = min(tokens, window) if window else tokens
-        total += t * s.kv_heads * s.head_dim * 2 * _bytes_per_element(policy.codec_for(i), dtype_size)
-    return int(total)
+        keep = policy.keep if s.window is None and policy.max_kv_size else 0
+        t = stored_tokens(s, policy, tokens)
+        total += layer_bytes(s, policy.codec_for(i), policy.value_codec_for(i), t, dtype_size, policy.recent, keep)
+    return total
 
 
 def weight_bytes_from_files(folder: Path) -> int:
@@ -104,6 +136,3 @@ def fit_table(config: dict, policies: dict[str, KVPolicy], budget: int, weights:
             rows.append(FitRow(name, None, ctx, max_batch=free // per_row if per_row else None))
     return rows
 
-
-def policy_with_kv_config(path: str) -> KVPolicy:
-    return KVPolicy(layer_codecs=load_kv_config(path), start=0, source="kv_config")

@@ -13,9 +13,10 @@ from typing import Callable
 
 import mlx.core as mx
 
-from ..codecs import CodecSpec
+from ..codecs import codec_names
 from ..errors import MlxkvError
-from ..policy import KVPolicy
+from ..policy import KVOptions, KVPolicy, resolve_policy
+from ..policy.kv_spec import GROUPED
 from .measure import measure_mlx_lm, measure_mlxkv, seeded_prompts, weight_bytes
 
 
@@ -36,17 +37,44 @@ class BenchConfig:
                 raise MlxkvError(f"{name} needs positive integers, got {list(values)}")
         if self.gen < 2 or self.repeats < 1:
             raise MlxkvError("--gen must be >= 2 and --repeats >= 1")
+        if not self.schemes:
+            raise MlxkvError(f"--kv: no schemes given (accepted: {accepted_schemes()})")
+        for s in self.schemes:
+            scheme_policy(s)  # bad schemes fail before a model is loaded
+
+
+FULL_ALIASES = ("bf16", "fp16", "fp32")  # bench's names for full precision (in the model's dtype)
+
+
+def accepted_schemes() -> str:
+    """The scheme forms bench and fit take: the `--kv` vocabulary plus the full-precision aliases."""
+    forms = [f"{n}:N|kNvM" + ("[/gG]" if n in GROUPED else "") + "[/rR]" for n in codec_names() if n != "full"]
+    return ", ".join(["full", *FULL_ALIASES, *forms, "config:FILE"])
 
 
 def scheme_policy(scheme: str) -> KVPolicy:
-    """'full' | 'affine:BITS[/gGROUP]' -> the policy (quantized from the first token)."""
-    if scheme in ("full", "bf16", "fp16", "fp32"):  # full precision (in the model's dtype)
-        return KVPolicy()
-    name, _, rest = scheme.partition(":")
-    bits, _, group = rest.partition("/g")
-    if name != "affine" or not bits.isdigit() or (group and not group.isdigit()):
-        raise MlxkvError(f"unknown KV scheme {scheme!r} (use full, affine:BITS or affine:BITS/gGROUP)")
-    return KVPolicy(CodecSpec("affine", int(bits), int(group or 64)), start=0)
+    """A `--kv` value (kv_spec.py; bf16/fp16/fp32 read as full) -> its policy, compressing from
+    the first token."""
+    s = scheme.strip()
+    if s in FULL_ALIASES:
+        s = "full"
+    name = s.partition(":")[0]
+    if s != "full" and (name == "full" or name not in (*codec_names(), "config")):
+        raise MlxkvError(f"unknown KV scheme {scheme!r} (accepted: {accepted_schemes()}; "
+                         f"e.g. affine:4/g32, turbo:k4v3, turbo:4/r16)")
+    return resolve_policy(KVOptions(kv=s, quantized_kv_start=0))
+
+
+def mlx_lm_kv(policy: KVPolicy) -> tuple[int | None, int] | None:
+    """(bits, group) of mlx-lm's own cache for `policy` (bits None: full precision); None where
+    mlx-lm has no equivalent (other codecs, separate K/V bits, recent windows, kv_config)."""
+    if not policy.active:
+        return None, 64
+    c = policy.codec
+    if (c.name == "affine" and policy.value_codec is None and not policy.recent and policy.layer_codecs is None
+            and policy.max_kv_size is None):
+        return c.bits, c.group_size
+    return None
 
 
 @dataclass
@@ -86,12 +114,7 @@ def run_grid(model, vocab: int, cfg: BenchConfig, progress: Callable[[str], None
         for batch in cfg.batches:
             prompts = seeded_prompts(vocab, batch, context, cfg.seed)
             for scheme, policy in policies.items():
-                engines = [("mlxkv", lambda: measure_mlxkv(model, policy, prompts, cfg.gen, cfg.prefill_chunk))]
-                if cfg.baseline:
-                    spec = policy.codec
-                    engines.append(("mlx-lm", lambda: measure_mlx_lm(model, spec.bits, spec.group_size or 64,
-                                                                      prompts, cfg.gen, cfg.prefill_chunk)))
-                for engine, fn in engines:
+                for engine, fn in _engines(model, policy, prompts, cfg):
                     if progress:
                         progress(f"{engine} {scheme} ctx={context} batch={batch}")
                     case = Case(scheme, context, batch, engine)
@@ -100,3 +123,16 @@ def run_grid(model, vocab: int, cfg: BenchConfig, progress: Callable[[str], None
                     rows.append(case.summary(wbytes, bandwidth))
                     mx.clear_cache()
     return rows
+
+
+def _engines(model, policy: KVPolicy, prompts, cfg: BenchConfig) -> list[tuple[str, Callable[[], dict]]]:
+    """(engine, one measured run) for mlxkv and, with baselines on, mlx-lm's equivalent cache."""
+    engines = [("mlxkv", lambda: measure_mlxkv(model, policy, prompts, cfg.gen, cfg.prefill_chunk))]
+    if not cfg.baseline:
+        return engines
+    kv = mlx_lm_kv(policy)
+    if kv is None:
+        return [*engines, ("mlx-lm", lambda: {"error": "not supported: mlx-lm has no cache for this scheme "
+                                                       "(only full or affine, equal K/V bits)"})]
+    bits, group = kv
+    return [*engines, ("mlx-lm", lambda: measure_mlx_lm(model, bits, group, prompts, cfg.gen, cfg.prefill_chunk))]
