@@ -1,10 +1,12 @@
 """Multi-process runs on MLX's distributed backends (ring, MPI, NCCL), launched by mlx.launch.
 
 Each rank loads the model and keeps its tensor-parallel shard (mlx-lm's `model.shard(group)`),
-so each rank's caches hold its own KV heads in the chosen compressed form. Before any work the
+so each rank's caches hold its own KV heads in the chosen compressed form (and a saved cache is
+one file per rank, see store/sharding.py). Before any work the
 ranks shake hands: every rank says whether its setup succeeded and a hash of its settings; a
 failed rank or mismatched settings end every rank with one message, and a watchdog bounds the
-wait so a rank that never arrives cannot hang the others.
+wait so a rank that never arrives cannot hang the others. Steps that may fail on one rank only
+(opening or saving its cache file) end the same way, through `on_every_rank`.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import sys
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Callable, TypeVar
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -22,6 +25,7 @@ import mlx.nn as nn
 from .errors import MlxkvError
 
 TIMEOUT_S = float(os.environ.get("MLXKV_DIST_TIMEOUT", "120"))
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -64,20 +68,50 @@ def watchdog(dist: Dist, what: str, timeout: float = TIMEOUT_S):
         timer.cancel()
 
 
+def _digest(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:3], "little")
+
+
+def _exchange(dist: Dist, ok: bool, key: str, what: str) -> tuple[list[int], list[int]]:
+    """Every rank's (ok, key digest), bounded by the watchdog: (failed ranks, ranks whose key differs
+    from rank 0's among those that did not fail)."""
+    with watchdog(dist, what):
+        mine = mx.array([[1 if ok else 0, _digest(key)]], dtype=mx.int32)
+        every = mx.distributed.all_gather(mine, group=dist.group).tolist()
+    failed = [r for r, (good, _) in enumerate(every) if not good]
+    differ = [r for r, (good, d) in enumerate(every) if good and d != every[0][1]]
+    return failed, differ
+
+
 def handshake(dist: Dist, ok: bool, settings: str) -> None:
     """All ranks agree that setup succeeded and that they run the same settings."""
     if dist.size == 1:
         return
-    digest = int.from_bytes(hashlib.sha256(settings.encode()).digest()[:3], "little")
-    with watchdog(dist, "checking that every rank is ready"):
-        mine = mx.array([[1 if ok else 0, digest]], dtype=mx.int32)
-        every = mx.distributed.all_gather(mine, group=dist.group).tolist()
-    failed = [r for r, (good, _) in enumerate(every) if not good]
+    failed, differ = _exchange(dist, ok, settings, "checking that every rank is ready")
     if failed:
         raise MlxkvError(f"rank {failed[0]} failed during setup (see its message); all ranks stop")
-    differ = [r for r, (_, d) in enumerate(every) if d != every[0][1]]
     if differ:
         raise MlxkvError(f"rank {differ[0]} runs different settings than rank 0 (model, KV flags or prompts)")
+
+
+def on_every_rank(dist: Dist, what: str, step: Callable[[], T], key: Callable[[T], str] | None = None,
+                  differ: str = "rank {rank} disagrees with rank 0") -> T:
+    """Run `step` on this rank, then agree: a rank that failed (its own error raised there) or whose
+    key(result) differs from rank 0's ends every rank with one line, instead of leaving the others
+    waiting in a collective. `differ` is the message for a differing key ({rank} is filled in)."""
+    if dist.size == 1:
+        return step()
+    try:
+        result = step()
+    except Exception:
+        _exchange(dist, False, "", what)  # tell the others, then report this rank's own error
+        raise
+    failed, differing = _exchange(dist, True, key(result) if key else "", what)
+    if failed:
+        raise MlxkvError(f"rank {failed[0]} failed while {what} (see its message); all ranks stop")
+    if differing:
+        raise MlxkvError(differ.format(rank=differing[0]))
+    return result
 
 
 def shard(model: nn.Module, dist: Dist) -> None:

@@ -1,5 +1,6 @@
 """`generate --load-cache / --save-cache`: start a run from a saved cache, save one after it.
 
+Under several ranks each rank saves and opens its own file (its KV heads), named by `rank_path`.
 The loaded cache keeps the KV policy it was saved with (flags that ask for another one get a
 note). Its tokens are reused as far as they agree with the new context; where rolling back
 is impossible (a wrapped sliding window, SSM state) the context is prefilled from scratch.
@@ -15,7 +16,8 @@ from .engine.forward import cache_offset
 from .engine.reuse import reuse_prefix
 from .errors import MlxkvError
 from .policy import KVPolicy, LayerPlan, plan_layers
-from .store import CacheFile, check_fingerprint, model_fingerprint, open_cache_file, save_cache
+from .store import (CacheFile, Sharding, check_fingerprint, check_sharding, local_kv_heads, model_fingerprint,
+                    open_cache_file, rank_path, save_cache)
 
 
 @dataclass
@@ -27,13 +29,24 @@ class CacheStart:
     kv_policy: dict  # for the run summary
 
 
-def open_for_model(path: str | Path, lm) -> CacheFile:
-    """Open and check a cache file, and refuse one made for another model or tokenizer."""
-    cf = open_cache_file(path)
+def run_sharding(lm, ranks: int, rank: int) -> Sharding:
+    """This rank's layout, as a cache file records it."""
+    return Sharding() if ranks == 1 else Sharding(ranks, rank, local_kv_heads(lm.model))
+
+
+def open_for_model(path: str | Path, lm, sharding: Sharding = Sharding()) -> CacheFile:
+    """Open and check this rank's file of the cache `path`; refuse one made for another model or
+    tokenizer, or for another rank layout."""
+    mine = rank_path(path, sharding.rank, sharding.ranks)
+    if mine != Path(path) and not mine.exists():
+        raise MlxkvError(f"cannot continue from {path}: rank {sharding.rank}'s file {mine} not found (a cache saved "
+                         f"under {sharding.ranks} ranks has one file per rank, beside rank 0's)")
+    cf = open_cache_file(mine)
     try:
         check_fingerprint(cf.fingerprint, model_fingerprint(lm.model, lm.tokenizer, lm.config))
+        check_sharding(cf.sharding, sharding)
     except MlxkvError as e:
-        raise MlxkvError(f"cannot continue from {path}: {e}") from None
+        raise MlxkvError(f"cannot continue from {mine}: {e}") from None
     return cf
 
 
@@ -73,11 +86,15 @@ def start_from_cache(cf: CacheFile, context: list[int], model, asked: KVPolicy |
     return CacheStart(caches, plan, context[reuse.kept:], any(p.compresses for p in plan), kv_policy)
 
 
-def save_after_run(path: str | Path, lm, caches: list, context: list[int], completion) -> int:
-    """Save `caches` after a run over `context`; they hold its tokens and the generated ones fed
-    back (every one but a last token that hit --max-tokens). Returns the file size."""
+def save_after_run(path: str | Path, lm, caches: list, context: list[int], completion,
+                   sharding: Sharding = Sharding()) -> tuple[Path, int]:
+    """Save `caches` after a run over `context` to this rank's file of `path`; they hold its tokens
+    and the generated ones fed back (every one but a last token that hit --max-tokens).
+    Returns the file written and its size."""
     fed = context + completion.token_ids + ([completion.eos_token] if completion.eos_token is not None else [])
     n = cache_offset(caches)
     if n > len(fed):
         raise MlxkvError(f"internal: the caches hold {n} tokens, the run produced {len(fed)}")
-    return save_cache(path, caches, fed[:n], model_fingerprint(lm.model, lm.tokenizer, lm.config))
+    mine = rank_path(path, sharding.rank, sharding.ranks)
+    fp = model_fingerprint(lm.model, lm.tokenizer, lm.config)
+    return mine, save_cache(mine, caches, fed[:n], fp, sharding)

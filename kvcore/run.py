@@ -12,9 +12,10 @@ from .backend import backend_name, versions
 from .engine import GenerateConfig, Request, SamplingConfig, generate_one, kv_summary
 from .engine.prompt import encode_continuation, encode_prompt
 from .errors import MlxkvError
-from .distributed import load_for_run
+from .distributed import launched, load_for_run, on_every_rank
 from .policy import KVOptions, build_caches, resolve_policy
-from .resume import open_for_model, save_after_run, start_from_cache
+from .resume import open_for_model, run_sharding, save_after_run, start_from_cache
+from .store import Sharding, rank_path
 from .store.atomic import check_target
 from .units import format_bytes
 
@@ -37,6 +38,21 @@ class GenerateJob:
     chat_continue: bool = False  # "append" through the chat template, as a new user turn
 
 
+def _open_files(job: GenerateJob, lm, layout: Sharding):
+    """Check this rank's --save-cache target and open its --load-cache file."""
+    if job.save_cache:
+        check_target(rank_path(job.save_cache, layout.rank, layout.ranks))
+    return open_for_model(job.load_cache, lm, layout) if job.load_cache else None
+
+
+def _saved(path: str, size: int, layout: Sharding) -> str:
+    if layout.single:
+        return f"saved the KV cache to {path} ({format_bytes(size)})"
+    names = [str(path)] + [rank_path(path, r, layout.ranks).name for r in range(1, layout.ranks)]
+    return (f"saved the KV cache as {layout.ranks} rank files, each on its rank's machine: {', '.join(names)} "
+            f"(this rank's: {format_bytes(size)})")
+
+
 @dataclass
 class RunResult:
     completions: list
@@ -56,13 +72,16 @@ def run_generate(job: GenerateJob, on_text: Callable[[str], None] | None = None,
     if job.chat_continue and not (job.load_cache and job.continue_mode == "append"):
         raise MlxkvError("--chat-continue adds -p text after a loaded cache: it needs --load-cache, "
                          "not --prompt-file")
-    if job.save_cache:
-        check_target(job.save_cache)
+    if job.save_cache and not launched():
+        check_target(job.save_cache)  # before the model loads (under a launcher: every rank, below)
     lm, dist = load_for_run(job.model, job.dtype, repr(job))
-    if dist.size > 1 and (job.save_cache or job.load_cache):
-        raise MlxkvError("--save-cache/--load-cache are not supported with several ranks yet "
-                         "(a cache file would hold one rank's KV heads)")
-    cached = open_for_model(job.load_cache, lm) if job.load_cache else None  # checked before any work
+    layout = run_sharding(lm, dist.size, dist.rank)
+    cached = None
+    if job.save_cache or job.load_cache:  # checked before any work
+        cached = on_every_rank(dist, "opening the cache files", lambda: _open_files(job, lm, layout),
+                               key=lambda cf: cf.set_key() if cf else "",
+                               differ="rank {rank}'s cache file holds other tokens or KV settings than rank 0's "
+                                      "(files of different saves?)")
     notices: list[str] = []
 
     def note(msg: str):
@@ -97,8 +116,10 @@ def run_generate(job: GenerateJob, on_text: Callable[[str], None] | None = None,
             completions.append(generate_one(lm.model, lm.tokenizer, req, caches,
                                             GenerateConfig(job.sampling, job.prefill_chunk), on_text))
         if job.save_cache:
-            size = save_after_run(job.save_cache, lm, caches, ids, completions[-1])
-            note(f"saved the KV cache to {job.save_cache} ({format_bytes(size)})")
+            done = completions[-1]
+            _, size = on_every_rank(dist, "saving the cache files",
+                                    lambda: save_after_run(job.save_cache, lm, caches, ids, done, layout))
+            note(_saved(job.save_cache, size, layout))
     converted = any(getattr(c, "converted", False) and c.key_codec is not None for c in caches)
     summary = {
         "type": "summary",

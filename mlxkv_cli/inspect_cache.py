@@ -38,6 +38,12 @@ def render(report: dict, console: Console) -> None:
         console.print(f"model: {m.get('model_type')} ({m.get('architecture')}), {m.get('layers')} layers, "
                       f"{m.get('kv_heads')} KV heads, head_dim {m.get('head_dim')}; config "
                       f"{str(m.get('config_sha256'))[:12]}, vocabulary {str(m.get('tokenizer_sha256'))[:12]}")
+    if report.get("sharding"):
+        sh = report["sharding"]
+        heads = f", {sh['kv_heads']} KV heads per rank" if sh.get("kv_heads") else ""
+        files = f"; the set: {', '.join(sh['set'])}" if sh.get("set") else ""
+        console.print(f"sharding: rank {sh['rank']} of {sh['ranks']}{heads}; continues only under {sh['ranks']} "
+                      f"ranks, as rank {sh['rank']}{files}")
     if "prefix_tokens" in report:
         console.print(f"prefix: {report['prefix_tokens']} tokens, first ids {report['prefix_ids']}")
     if "prefix_text" in report:

@@ -63,7 +63,7 @@ CASES = {
     "header length": (_raw(lambda b: (2**40).to_bytes(8, "little") + b[8:]), "invalid header length"),
     "header json": (_raw(lambda b: b[:8] + b"x" + b[9:]), "not valid JSON"),
     "mlxkv json": (_doc(lambda d: None), None),  # replaced below: a broken document string
-    "version": (_doc(_set(["version"], 2)), "unsupported format version 2"),
+    "version": (_doc(_set(["version"], 3)), "unsupported format version 3"),
     "format": (_doc(_set(["format"], "other")), "unknown format 'other'"),
     "header shape": (_doc(_set(["arrays", "layers.0.0", "shape"], [1, 2, 3])), "in the header"),
     "layer shape": (_doc(_set(["layers", 0, "dims"], [1, 4, 8, 16])), "its layer needs"),

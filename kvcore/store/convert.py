@@ -19,6 +19,7 @@ from ..codecs import CodecSpec, make_codec
 from ..errors import MlxkvError
 from ..policy import KVPolicy
 from .file import open_cache_file, save_cache
+from .sharding import Sharding, set_paths
 
 
 @dataclass
@@ -114,6 +115,14 @@ def _stored_spec(e: dict) -> CodecSpec | None:
     return CodecSpec(**_spec_args(e["key"])) if e["kind"] == "compressed" and e["enc"] else None
 
 
+def _rank_notice(src: Path, dst: Path, sharding: Sharding) -> str:
+    names = set_paths(dst, sharding)
+    r, n = sharding.rank, sharding.ranks
+    todo = (f"convert the other ranks' files with the same flags to {', '.join(str(p) for p in names if p != dst)}"
+            if names else f"name it <name>.rank{r}-of-{n}{dst.suffix} beside rank 0's <name>{dst.suffix}")
+    return f"{src} holds {sharding.describe()}'s KV heads, and so does {dst}: {todo}, so that they load together"
+
+
 def convert_cache_file(src: str | Path, dst: str | Path, policy: KVPolicy) -> ConvertResult:
     src, dst = Path(src), Path(dst)
     if src.resolve() == dst.resolve() or (dst.exists() and src.exists() and dst.samefile(src)):
@@ -141,5 +150,8 @@ def convert_cache_file(src: str | Path, dst: str | Path, policy: KVPolicy) -> Co
     if raised:
         notices.append(f"layers {', '.join(map(str, raised))} were stored at lower precision; re-encoding them "
                        f"higher does not restore the information already lost")
-    size = save_cache(dst, out, cf.prefix_ids, cf.fingerprint)
+    sharding = cf.sharding
+    if not sharding.single:
+        notices.append(_rank_notice(src, dst, sharding))
+    size = save_cache(dst, out, cf.prefix_ids, cf.fingerprint, sharding)
     return ConvertResult(cf.kv_bytes(), open_cache_file(dst).kv_bytes(), size, notices)

@@ -1,15 +1,18 @@
 """The mlxkv cache file: save a model's caches with their token prefix, open one back, checked.
 
-Format "mlxkv-kv", version 1: a safetensors file whose metadata key "mlxkv" holds one JSON
+Format "mlxkv-kv", version 1 or 2: a safetensors file whose metadata key "mlxkv" holds one JSON
 document:
 ```
 {"format": "mlxkv-kv", "version": 1, "mlxkv_version": "0.1.0", "created": "2025-...Z",
  "model": {model_type, architecture, layers, caches, kv_heads, head_dim, config_sha256, tokenizer_sha256},
+ "sharding": {"ranks": R, "rank": r, "kv_heads": H},   (version 2 only: one rank's file, see sharding.py)
  "prefix_tokens": N,
  "layers": [{"kind": "compressed" | "kv" | "rotating" | "arrays", ...fields of that kind}, ...],
  "arrays": {name: {"dtype", "shape", "sha256"}, ...}}
 ```
 Arrays: `prefix_ids` (int32, (N,): the tokens the caches hold) and `layers.{i}.{j}`.
+A single process writes version 1 (what every mlxkv reads); a rank of several writes version 2, so
+that a reader without sharding support refuses it instead of loading one rank's heads as a model's.
 Opening checks the container, the document, every array's dtype/shape against the layer
 entries, and every checksum, before any array is loaded.
 """
@@ -31,8 +34,10 @@ from .layers import KINDS, STATE_DTYPES, kind_of_cache
 from .mlx_lm_file import looks_like_mlx_lm
 from .safetensors import Container, array_sha256, dtype_name, is_int, open_container
 from .schema import Fields
+from .sharding import Sharding, read_sharding, set_key
 
 FORMAT, VERSION, META_KEY, PREFIX = "mlxkv-kv", 1, "mlxkv", "prefix_ids"
+SHARDED_VERSION = 2  # adds "sharding"
 MAX_LAYERS = 4096
 
 
@@ -53,6 +58,15 @@ class CacheFile:
     @property
     def fingerprint(self) -> dict:
         return self.header["model"]
+
+    @property
+    def sharding(self) -> Sharding:
+        s = self.header.get("sharding")
+        return Sharding(s["ranks"], s["rank"], s["kv_heads"]) if s else Sharding()
+
+    def set_key(self) -> str:
+        """Equal for the rank files of one saved set (same model, tokens and KV settings)."""
+        return set_key(self.header, self.prefix_ids)
 
     def layer_tensors(self, i: int) -> list:
         n = sum(1 for name in self.container.tensors if name.startswith(f"layers.{i}."))
@@ -85,8 +99,10 @@ def _offset(cache) -> int | None:
     return getattr(cache, "offset", None)
 
 
-def save_cache(path: str | Path, caches: list, prefix_ids: list[int], fingerprint: dict) -> int:
-    """Write `caches` (holding exactly `prefix_ids`) atomically; returns the file size."""
+def save_cache(path: str | Path, caches: list, prefix_ids: list[int], fingerprint: dict,
+               sharding: Sharding = Sharding()) -> int:
+    """Write `caches` (holding exactly `prefix_ids`; one rank's heads if `sharding` says so) atomically;
+    returns the file size."""
     n = len(prefix_ids)
     if n < 1:
         raise MlxkvError("nothing to save: the caches hold no tokens")
@@ -101,9 +117,10 @@ def save_cache(path: str | Path, caches: list, prefix_ids: list[int], fingerprin
     table = {name: {"dtype": dtype_name(a.dtype), "shape": list(a.shape), "sha256": array_sha256(a)}
              for name, a in arrays.items()}
     doc = {
-        "format": FORMAT, "version": VERSION, "mlxkv_version": __version__,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "model": fingerprint, "prefix_tokens": n, "layers": entries, "arrays": table,
+        "format": FORMAT, "version": VERSION if sharding.single else SHARDED_VERSION, "mlxkv_version": __version__,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "model": fingerprint,
+        **({} if sharding.single else {"sharding": sharding.to_json()}),
+        "prefix_tokens": n, "layers": entries, "arrays": table,
     }
     atomic_write(path, lambda f: mx.save_safetensors(f, arrays, metadata={META_KEY: json.dumps(doc)}))
     return Path(path).stat().st_size
@@ -127,9 +144,14 @@ def open_cache_file(path: str | Path) -> CacheFile:
     if f.get("format") != FORMAT:
         raise fail(f"unknown format {doc['format']!r} (expected {FORMAT!r})")
     version = f.get("version")
-    if version != VERSION or not is_int(version):
-        raise fail(f"unsupported format version {version!r} (this mlxkv reads version {VERSION})")
+    if version not in (VERSION, SHARDED_VERSION) or not is_int(version):
+        raise fail(f"unsupported format version {version!r} (this mlxkv reads versions {VERSION} and "
+                   f"{SHARDED_VERSION})")
     f.str("mlxkv_version"), f.str("created"), f.sub("model")
+    if version == SHARDED_VERSION:
+        read_sharding(f)
+    elif "sharding" in doc:
+        raise fail(f"a version {VERSION} file cannot record 'sharding'")
     n = f.int("prefix_tokens", lo=1)
     expected = {PREFIX: ((n,), "int32")}
     layers = f.get("layers")

@@ -11,6 +11,7 @@ from .fingerprint import check_fingerprint, model_fingerprint
 from .layers import KINDS, layer_elements
 from .mlx_lm_file import inspect_mlx_lm, looks_like_mlx_lm
 from .safetensors import open_container
+from .sharding import set_paths
 
 SHOW_TOKENS = 16
 
@@ -61,6 +62,13 @@ def _totals(layers: list[dict]) -> dict:
             "state_bytes": sum(r["bytes"] for r in layers if not r["elements"])}
 
 
+def _sharding(cf: CacheFile) -> dict | None:
+    if cf.sharding.single:
+        return None
+    names = set_paths(cf.path, cf.sharding)
+    return {**cf.sharding.to_json(), "set": [str(p) for p in names] if names else None}
+
+
 def inspect_cache(path: str | Path, lm=None) -> dict:
     """A report of `path`; with a loaded model `lm`, also whether it fits and the prefix as text."""
     container = open_container(path)
@@ -74,13 +82,16 @@ def inspect_cache(path: str | Path, lm=None) -> dict:
     report = {
         "format": f"{h['format']} {h['version']}", "file": str(cf.path), "file_bytes": container.size,
         "mlxkv_version": h["mlxkv_version"], "created": h["created"], "model": h["model"],
+        "sharding": _sharding(cf),
         "prefix_tokens": h["prefix_tokens"], "prefix_ids": cf.prefix_ids[:SHOW_TOKENS],
         "layers": layers, "totals": {**_totals(layers), "prefix_bytes": container.tensors[PREFIX].nbytes},
     }
     if lm is not None:
         try:
             check_fingerprint(h["model"], model_fingerprint(lm.model, lm.tokenizer, lm.config))
-            report["model_check"] = f"fits {lm.source}"
+            sh = cf.sharding
+            as_rank = "" if sh.single else f" as {sh.describe()} (continue it under {sh.ranks} ranks)"
+            report["model_check"] = f"fits {lm.source}{as_rank}"
         except MlxkvError as e:
             report["model_check"] = f"does not fit {lm.source}: {e}"
         report["prefix_text"] = lm.tokenizer.decode(cf.prefix_ids[:SHOW_TOKENS])
