@@ -80,3 +80,31 @@ def test_sliding_window_compressed_past_wraps(loaded, bits):
     sure = tie_free_prefix(model, ids, base, opts)
     assert sure >= 20 and len(ids) + sure > 3 * 16  # several wraps of the 16-token window
     assert ours(model, tok, ids, 60, opts, chunk=5)[0][:sure] == base[:sure]
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_prefill_computes_logits_for_the_last_position_only(loaded, bits):
+    """The prompt's last chunk goes in two calls (all but one token, then the last), so no
+    (chunk, vocab) logits matrix is ever computed in prefill; tokens are unchanged."""
+    model, tok, ids = loaded("llama")
+    opts = KVOptions(kv_bits=bits, kv_group_size=32, quantized_kv_start=5) if bits else KVOptions()
+    base, _ = ours(model, tok, ids, 6, opts)
+    calls = []
+    real = type(model).__call__
+
+    class Spy(type(model)):
+        def __call__(self, inputs, *a, **k):
+            out = real(self, inputs, *a, **k)
+            calls.append((inputs.shape[1], out.shape[1]))
+            return out
+
+    model.__class__ = Spy
+    try:
+        got, _ = ours(model, tok, ids, 6, opts, chunk=8)
+    finally:
+        model.__class__ = Spy.__mro__[1]
+    n = len(ids)
+    assert got == base
+    prompt_calls = calls[: len(calls) - (len(got) - 1)]
+    assert sum(c for c, _ in prompt_calls) == n and prompt_calls[-1] == (1, 1)
+    assert all(c <= 8 for c, _ in prompt_calls) and sum(c for c, _ in prompt_calls[:-1]) == n - 1

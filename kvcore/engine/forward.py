@@ -61,13 +61,20 @@ def prefill_chunk(model: nn.Module, tokens: list[int], caches: list, done: int,
                   chunk: int = DEFAULT_PREFILL_CHUNK) -> tuple[int, mx.array]:
     """Feed one chunk of `tokens` from index `done`; returns (new done, logits (1, n, vocab)).
 
-    The chunk ends early at a conversion start so the conversion position is exact.
+    The chunk ends early at a conversion start so the conversion position is exact. Only the
+    last position's logits are meaningful to callers (the prompt's last chunk returns n = 1).
     """
     pos = cache_offset(caches)
     end = min(done + chunk, len(tokens))
     b = next_boundary(caches, pos)
     if b is not None and b < pos + end - done:
         end = done + b - pos
+    if end == len(tokens) and end - done > 1:
+        # the prompt's last chunk: only its last position's logits are needed, so the rest goes
+        # first with its logits never evaluated (no (n, vocab) matmul, no (n, vocab) transient)
+        forward(model, mx.array(tokens[done : end - 1])[None], caches)
+        mx.eval([c.state for c in caches])
+        done = end - 1
     return end, forward(model, mx.array(tokens[done:end])[None], caches)
 
 
