@@ -11,7 +11,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 
 from kvcore.backend import backend_name, versions
 from kvcore.bench import build_random_model
-from kvcore.bench.bandwidth import copy_bandwidth
+from kvcore.bench.bandwidth import memory_bandwidth
 from kvcore.bench.grid import BenchConfig, run_grid
 from kvcore.errors import MlxkvError
 from kvcore.distributed import current, handshake, load_for_run, shard
@@ -69,7 +69,7 @@ def bench(
         lm, dist = load_for_run(model, dtype, repr((model, dtype, cfg)))
         net, config, source, weights = lm.model, lm.config, lm.source, "trained"
     vocab = config.get("text_config", config)["vocab_size"]
-    bandwidth = copy_bandwidth()
+    bw = memory_bandwidth()
     n_cases = len(cfg.schemes) * len(cfg.contexts) * len(cfg.batches) * (2 if cfg.baseline else 1)
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), TimeRemainingColumn(), console=bench_output.err, transient=True) as bar:
@@ -78,10 +78,11 @@ def bench(
         def progress(label: str):
             bar.update(task, description=label, advance=0 if bar.tasks[0].description == "bench" else 1)
 
-        rows = run_grid(net, vocab, cfg, progress, bandwidth)
+        rows = run_grid(net, vocab, cfg, progress, bw["ceiling"])
         bar.update(task, completed=n_cases)
     report = {"meta": {"model": source, "weights": weights, "backend": backend_name(),
-                       "copy_bandwidth_gbs": round(bandwidth / 1e9, 1), "date": time.strftime("%Y-%m-%d"),
+                       "copy_bandwidth_gbs": round(bw["copy"] / 1e9, 1),
+                       "read_bandwidth_gbs": round(bw["read"] / 1e9, 1), "date": time.strftime("%Y-%m-%d"),
                        "ranks": dist.size,
                        "gen": gen, "repeats": repeats, **versions()},
               "rows": bench_output.ratios(rows)}

@@ -61,7 +61,7 @@ def render(report: dict, as_json: bool) -> None:
         return
     meta = report["meta"]
     t = Table(title=f"mlxkv bench: {meta['model']} ({meta['weights']} weights), {meta['backend']}, "
-                    f"copy bandwidth {meta['copy_bandwidth_gbs']} GB/s")
+                    f"bandwidth: copy {meta['copy_bandwidth_gbs']} GB/s, matrix-vector read {meta['read_bandwidth_gbs']} GB/s")
     for c in ("ctx", "rows", "KV", "engine", "prefill tok/s", "decode tok/s (min-max)", "x mlx-lm", "peak GB",
               "KV MiB", "bits/el", "BW share"):
         t.add_column(c)

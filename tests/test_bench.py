@@ -4,13 +4,18 @@ import builtins
 import csv
 import json
 
+import mlx.core as mx
 import pytest
+from mlx.utils import tree_flatten
+from mlx_lm import load
 from typer.testing import CliRunner
 
 from kvcore.bench import SHAPES
 from kvcore.bench.fit import fit_table, layer_shapes, row_bytes
 from kvcore.bench.shapes import shape_weight_bytes
 from kvcore.bench.grid import scheme_policy
+from kvcore.bench.measure import step_weight_bytes
+from kvcore.bench.shapes import _construct
 from mlxkv_cli.main import build_app
 
 runner = CliRunner()
@@ -29,6 +34,8 @@ def test_bench_rows_are_cross_checked(tiny_models, tmp_path):
     rows = {(r["scheme"], r["batch"], r["engine"]): r for r in rep["rows"]}
     assert len(rows) == 12
     layers, kv_heads, head_dim = 2, 2, 64
+    model, _ = load(str(tiny_models("qwen3")))  # untied output layer: the token table is only gathered
+    untied_step_weights = sum(v.nbytes for _, v in tree_flatten(model.parameters())) - model.model.embed_tokens.weight.nbytes
     for (scheme, batch, engine), r in rows.items():
         if engine == "mlx-lm" and batch > 1 and scheme != "full":
             assert "cannot quantize" in r["error"]  # shown, not hidden
@@ -40,7 +47,7 @@ def test_bench_rows_are_cross_checked(tiny_models, tmp_path):
             bits = {"full": 32, "affine:8": 8.5, "affine:4": 4.5}[scheme]
             assert r["bits_per_element"] == bits
             assert r["kv_bytes"] == batch * tokens * layers * kv_heads * head_dim * 2 * bits / 8
-            assert r["bytes_per_step"] > r["kv_bytes"]
+            assert r["bytes_per_step"] == untied_step_weights + r["kv_bytes"]
     assert rows[("affine:4", 1, "mlxkv")]["vs_mlx_lm"] > 0
     with open(tmp_path / "b.csv") as f:
         assert len(list(csv.DictReader(f))) == 12
@@ -151,3 +158,17 @@ def test_fit_cli(tmp_path):
     assert ctx["affine:4"] > 3 * ctx["full"]
     r = runner.invoke(build_app(), ["fit", "--memory", "lots"])
     assert r.exit_code == 1 and "cannot read 'lots'" in r.stderr
+
+
+@pytest.mark.parametrize("shape", ["llama-tiny", "qwen3.5-mini", "gemma4-mini"])
+def test_step_weight_bytes_skip_gathered_tables(shape):
+    """A decode step reads every weight but gather-only embedding tables (the tied one is the output layer)."""
+    model, _ = _construct(shape, None, mx.float32)
+    total = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    inner = model.language_model.model if shape == "qwen3.5-mini" else model.model
+    gathered = {
+        "llama-tiny": lambda: inner.embed_tokens.weight.nbytes,  # untied: lm_head is read instead
+        "qwen3.5-mini": lambda: 0,  # tied: the token table is the output layer
+        "gemma4-mini": lambda: inner.embed_tokens_per_layer.weight.nbytes,  # tied, plus a per-layer table
+    }[shape]()
+    assert gathered < total and step_weight_bytes(model) == total - gathered

@@ -17,7 +17,7 @@ from ..codecs import codec_names
 from ..errors import MlxkvError
 from ..policy import KVOptions, KVPolicy, resolve_policy
 from ..policy.kv_spec import GROUPED
-from .measure import measure_mlx_lm, measure_mlxkv, seeded_prompts, weight_bytes
+from .measure import measure_mlx_lm, measure_mlxkv, seeded_prompts, step_weight_bytes
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ class Case:
         row.update({k: v for k, v in best.items() if k not in ("decode_tps",)})
         row.update({"decode_tps": med, "decode_tps_min": min(tps), "decode_tps_max": max(tps), "repeats": len(ok)})
         if best.get("kv_bytes") is not None:
-            step_bytes = wbytes + best["kv_bytes"]  # every weight and every stored KV byte, each step
+            step_bytes = wbytes + best["kv_bytes"]  # weights read (not gathered tables) + every stored KV byte
             row["bytes_per_step"] = step_bytes
             steps_per_s = best["decode_tps_per_row"]
             row["bandwidth_gbs"] = step_bytes * steps_per_s / 1e9
@@ -108,7 +108,7 @@ class Case:
 def run_grid(model, vocab: int, cfg: BenchConfig, progress: Callable[[str], None] | None = None,
              bandwidth: float | None = None) -> list[dict]:
     policies = {s: scheme_policy(s) for s in cfg.schemes}  # bad schemes fail before any work
-    wbytes = weight_bytes(model)
+    wbytes = step_weight_bytes(model)
     rows = []
     for context in cfg.contexts:
         for batch in cfg.batches:

@@ -30,6 +30,20 @@ def weight_bytes(model: nn.Module) -> int:
     return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
 
+def _nbytes(module: nn.Module) -> int:
+    return sum(v.nbytes for _, v in tree_flatten(module.parameters()))
+
+
+def step_weight_bytes(model: nn.Module) -> int:
+    """Weight bytes one decode step reads: every weight but embedding tables, which are only
+    gathered (a row per token), except the token embedding when the output layer is tied to it."""
+    mods = dict(model.named_modules())
+    tables = {k: m for k, m in mods.items() if isinstance(m, (nn.Embedding, nn.QuantizedEmbedding))}
+    tied = not any(k == "lm_head" or k.endswith(".lm_head") for k in mods)
+    skipped = sum(_nbytes(m) for k, m in tables.items() if not (tied and k.endswith("embed_tokens")))
+    return weight_bytes(model) - skipped
+
+
 def measure_mlxkv(model, policy: KVPolicy, prompts: list[list[int]], gen: int, prefill_chunk: int = 2048) -> dict:
     reqs = [Request(tuple(p), gen, str(i)) for i, p in enumerate(prompts)]
     engine = BatchEngine(model, None, policy, len(prompts), GenerateConfig(prefill_chunk=prefill_chunk),
