@@ -4,7 +4,7 @@ mlx-lm model files import `scaled_dot_product_attention` from `mlx_lm.models.bas
 context manager rebinds that name in the modules a loaded model's classes live in, and
 restores it on exit (contexts nest: a draft and a target model can both be inside one).
 Dense keys go to mlx-lm's own function unchanged; a KVView goes to the portable blockwise
-path.
+path (in a rotation codec's basis where the layer's codecs share one, see `rotated.py`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from ..cache.view import BatchKVView, KVView
 from ..errors import MlxkvError
 from ..cache.packed import PackedView
 from .blockwise import batch_kv_attention, kv_attention, packed_attention
+from .rotated import in_rotated_basis
 
 _ORIGINAL = mlx_base.scaled_dot_product_attention
 _ACTIVE: list["AttentionStats"] = []  # innermost context last
@@ -38,15 +39,10 @@ class AttentionStats:
 
 def _sdpa(queries, keys, values, cache, scale, mask, sinks=None):
     stats = _ACTIVE[-1] if _ACTIVE else AttentionStats()
-    if isinstance(keys, KVView):
-        stats.compressed_calls += 1
-        return kv_attention(queries, keys, scale, sinks)
-    if isinstance(keys, PackedView):
-        stats.compressed_calls += 1
-        return packed_attention(queries, keys, scale, sinks)
-    if isinstance(keys, BatchKVView):
-        stats.compressed_calls += 1
-        return batch_kv_attention(queries, keys, scale, sinks)
+    for kind, attend in ((KVView, kv_attention), (PackedView, packed_attention), (BatchKVView, batch_kv_attention)):
+        if isinstance(keys, kind):
+            stats.compressed_calls += 1
+            return in_rotated_basis(attend, queries, keys, scale, sinks)
     stats.dense_calls += 1
     return _ORIGINAL(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
 

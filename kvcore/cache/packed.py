@@ -49,6 +49,7 @@ class PackedView:
     heads: int
     head_dim: int
     value_dim: int
+    rotation: object = None  # set: dense() returns R k, R v (attention in a rotation codec's basis)
 
     @property
     def shape(self):
@@ -57,6 +58,8 @@ class PackedView:
     def dense(self, lo: int, hi: int, dtype) -> tuple[mx.array, mx.array]:
         def dec(codec, parts):
             sl = tuple(p[:, :, lo:hi] for p in parts)
+            if self.rotation is not None:
+                return (self.rotation.forward(sl[0]) if codec is None else codec.decode_rotated(sl, dtype)).astype(dtype)
             return sl[0] if codec is None else codec.decode(sl, dtype)
 
         return dec(self.key_codec, self.key_parts), dec(self.value_codec, self.value_parts)

@@ -32,9 +32,12 @@ class Segment:
     key_codec: Any = None
     value_codec: Any = None
     lag: int = 0  # ENCODED/SHADOW: positions after a block's last token before it is read encoded
+    rotation: Any = None  # set: dense() returns R k, R v (attention in a rotation codec's basis)
 
     def dense(self, lo: int, hi: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
         """Columns [lo, hi) of this segment as dense (B, H, hi-lo, D) keys and values."""
+        if self.rotation is not None:
+            return self._rotated(lo, hi, dtype)
         if self.kind != ENCODED:
             return self.keys[:, :, lo:hi], self.values[:, :, lo:hi]
         bt = self.block_tokens
@@ -43,6 +46,15 @@ class Segment:
         v = self.value_codec.decode(tuple(a[:, :, b0:b1] for a in self.values), dtype)
         cut = lo - b0 * bt
         return k[:, :, cut : cut + hi - lo], v[:, :, cut : cut + hi - lo]
+
+    def _rotated(self, lo: int, hi: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+        if self.kind != ENCODED:
+            r = self.rotation
+            return r.forward(self.keys[:, :, lo:hi]).astype(dtype), r.forward(self.values[:, :, lo:hi]).astype(dtype)
+        b0, b1 = lo, hi  # rotation codecs store one token per block
+        k = self.key_codec.decode_rotated(tuple(a[:, :, b0:b1] for a in self.keys), dtype)
+        v = self.value_codec.decode_rotated(tuple(a[:, :, b0:b1] for a in self.values), dtype)
+        return k, v
 
     def visible(self, q_pos: mx.array, lo: int, hi: int, window: int | None, keep: int) -> mx.array:
         """(N, hi-lo) bool: may the query at q_pos[n] attend to column j of this segment."""

@@ -59,9 +59,16 @@ class TurboCodec:
         return pack(idx, self.bits), scale.astype(SCALE_DTYPE)  # (B, H, T, ceil(d*bits/8)) uint8, (B, H, T, 1)
 
     def decode(self, enc: Encoded, dtype: mx.Dtype) -> mx.array:
+        return self.rotation.inverse(self._rotated(enc)).astype(dtype)
+
+    def decode_rotated(self, enc: Encoded, dtype: mx.Dtype) -> mx.array:
+        """R x instead of x: for attention run in the rotated basis (`kvcore.attention.rotated`)."""
+        return self._rotated(enc).astype(dtype)
+
+    def _rotated(self, enc: Encoded) -> mx.array:
         packed, scale = enc
         c = lookup(packed, self.table, self.bits, self.head_dim)  # (B, H, T, d) centroids
-        return self.rotation.inverse(c * scale.astype(mx.float32)).astype(dtype)
+        return c * scale.astype(mx.float32)
 
     def bytes_per_token(self, n_heads: int) -> float:
         return n_heads * (packed_bytes(self.head_dim, self.bits) + SCALE_DTYPE.size)
