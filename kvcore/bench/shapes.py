@@ -15,6 +15,17 @@ from ..errors import MlxkvError
 
 _LLAMA = {"model_type": "llama", "rms_norm_eps": 1e-5, "vocab_size": 32000, "rope_theta": 500000.0,
           "tie_word_embeddings": False, "max_position_embeddings": 131072}
+
+
+def _qwen35(**text) -> dict:
+    """A qwen3_5 config: sizes from `text`, the rest as Qwen3.5's (linear attention 3 of 4 layers)."""
+    return {"model_type": "qwen3_5", "tie_word_embeddings": True, "text_config": {
+        "model_type": "qwen3_5_text", "full_attention_interval": 4, "linear_conv_kernel_dim": 4,
+        "rms_norm_eps": 1e-6, "max_position_embeddings": 262144, "tie_word_embeddings": True,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                            "mrope_section": [11, 11, 10]}, **text}}
+
+
 SHAPES: dict[str, dict] = {
     "llama-tiny": {**_LLAMA, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
                    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1024},
@@ -41,23 +52,13 @@ SHAPES: dict[str, dict] = {
                     "head_dim": 128, "global_head_dim": 256, "num_kv_shared_layers": 4, "sliding_window": 256,
                     "sliding_window_pattern": 5, "vocab_size": 32000, "vocab_size_per_layer_input": 32000,
                     "hidden_size_per_layer_input": 64, "max_position_embeddings": 131072},
-    "qwen3.5-mini": {"model_type": "qwen3_5", "tie_word_embeddings": True, "text_config": {
-        "model_type": "qwen3_5_text", "hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 8,
-        "full_attention_interval": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128,
-        "linear_num_key_heads": 4, "linear_num_value_heads": 8, "linear_key_head_dim": 64,
-        "linear_value_head_dim": 64, "linear_conv_kernel_dim": 4, "rms_norm_eps": 1e-6,
-        "vocab_size": 32000, "max_position_embeddings": 262144, "tie_word_embeddings": True,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
-                            "mrope_section": [11, 11, 10]}}},
+    "qwen3.5-mini": _qwen35(hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8,
+                            num_key_value_heads=2, head_dim=128, linear_num_key_heads=4, linear_num_value_heads=8,
+                            linear_key_head_dim=64, linear_value_head_dim=64, vocab_size=32000),
     # Qwen3.5-like hybrid: 3 of 4 layers linear attention (fixed-size state), 1 of 4 full attention
-    "qwen3.5-4b": {"model_type": "qwen3_5", "tie_word_embeddings": True, "text_config": {
-        "model_type": "qwen3_5_text", "hidden_size": 2560, "intermediate_size": 9216, "num_hidden_layers": 32,
-        "full_attention_interval": 4, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256,
-        "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
-        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "rms_norm_eps": 1e-6,
-        "vocab_size": 248320, "max_position_embeddings": 262144, "tie_word_embeddings": True,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
-                            "mrope_section": [11, 11, 10]}}},
+    "qwen3.5-4b": _qwen35(hidden_size=2560, intermediate_size=9216, num_hidden_layers=32, num_attention_heads=16,
+                          num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
+                          linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=248320),
 }
 
 
