@@ -48,3 +48,11 @@ def tiny_models(tmp_path_factory) -> Callable[[str], Path]:
         return built[family]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def dense_gguf(tmp_path_factory) -> Path:
+    """stories260K written as a float32 GGUF file (tests/gguf_helpers.py)."""
+    from gguf_helpers import write_dense
+
+    return write_dense(tmp_path_factory.mktemp("gguf") / "stories260K-f32.gguf")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import mlx.core as mx
 import mlx_lm
@@ -23,7 +22,6 @@ from gguf_helpers import (
     stories_metadata,
     stories_tensors,
     to_mx_metadata,
-    write_dense,
 )
 from kvcore.errors import MlxkvError
 from kvcore.gguf import convert_gguf, load_gguf
@@ -42,11 +40,6 @@ TEXTS = [
 @pytest.fixture(scope="module")
 def source():
     return mlx_lm.load(str(STORIES))
-
-
-@pytest.fixture(scope="module")
-def dense_gguf(tmp_path_factory) -> Path:
-    return write_dense(tmp_path_factory.mktemp("gguf") / "stories260K-f32.gguf")
 
 
 def test_config_matches_source(dense_gguf):

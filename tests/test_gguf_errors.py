@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,11 +10,6 @@ from gguf_helpers import stories_metadata, stories_tensors, write_dense
 from kvcore.errors import MlxkvError
 from kvcore.gguf import convert_gguf, load_gguf
 from kvcore.gguf import writer as gw
-
-
-@pytest.fixture(scope="module")
-def dense_gguf(tmp_path_factory) -> Path:
-    return write_dense(tmp_path_factory.mktemp("gguf") / "stories260K-f32.gguf")
 
 
 def test_missing_file(tmp_path):
