@@ -34,20 +34,11 @@ def run_batch(job: GenerateJob, specs: list[PromptSpec], opts: BatchOptions,
         raise MlxkvError(f"--max-tokens must be >= 0, got {job.max_tokens}")
     policy = resolve_policy(job.kv)
     lm, dist = load_for_run(job.model, job.dtype, repr((job, specs, opts)))
-    requests = []
-    for s in specs:
-        ids = encode_prompt(lm.tokenizer, s.prompt, job.system, job.chat_template)
-        if not ids:
-            raise MlxkvError(f"prompt {s.id} is empty after tokenization")
-        max_tokens = job.max_tokens if s.max_tokens is None else s.max_tokens
-        requests.append(Request(tuple(ids), max_tokens, s.id, job.stop))
-    _, plan = build_caches(lm.model, policy)
-    dtype_size = next((p.dtype.size for _, p in tree_flatten(lm.model.parameters()) if mx.issubdtype(p.dtype, mx.floating)), 2)
-    budget = opts.max_kv_bytes if opts.max_kv_bytes is not None else default_kv_budget()
+    requests = build_requests(lm, job, specs)
+    plan, budget, row_bytes = admission(lm, policy, opts)
     engine = BatchEngine(
         lm.model, lm.tokenizer, policy, opts.batch_size, GenerateConfig(job.sampling, job.prefill_chunk),
-        kv_budget=budget,
-        row_bytes=lambda r: row_kv_bytes(lm.config, plan, len(r.prompt_ids) + r.max_tokens, dtype_size),
+        kv_budget=budget, row_bytes=row_bytes,
         on_finish=on_finish,
     )
     mx.reset_peak_memory()
@@ -58,6 +49,27 @@ def run_batch(job: GenerateJob, specs: list[PromptSpec], opts: BatchOptions,
     summary = batch_summary(lm, completions, engine, opts.batch_size, policy, plan, budget, wall, stats.path,
                             dist.size)
     return RunResult(completions, summary, [])
+
+
+def build_requests(lm, job: GenerateJob, specs: list[PromptSpec]) -> list[Request]:
+    """One Request per prompt: encoded as the job says, with its own max_tokens if it sets one."""
+    requests = []
+    for s in specs:
+        ids = encode_prompt(lm.tokenizer, s.prompt, job.system, job.chat_template)
+        if not ids:
+            raise MlxkvError(f"prompt {s.id} is empty after tokenization")
+        max_tokens = job.max_tokens if s.max_tokens is None else s.max_tokens
+        requests.append(Request(tuple(ids), max_tokens, s.id, job.stop))
+    return requests
+
+
+def admission(lm, policy, opts: BatchOptions) -> tuple[list, int, Callable]:
+    """(per-layer plan, KV budget in bytes, a request's KV bytes at its longest) for the engine."""
+    _, plan = build_caches(lm.model, policy)
+    dtype_size = next((p.dtype.size for _, p in tree_flatten(lm.model.parameters())
+                       if mx.issubdtype(p.dtype, mx.floating)), 2)
+    budget = opts.max_kv_bytes if opts.max_kv_bytes is not None else default_kv_budget()
+    return plan, budget, lambda r: row_kv_bytes(lm.config, plan, len(r.prompt_ids) + r.max_tokens, dtype_size)
 
 
 def batch_summary(lm, completions, engine, batch_size: int, policy, plan, budget: int, wall: float,

@@ -7,18 +7,15 @@ from contextlib import ExitStack
 from typing import Callable
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
 from .attention import attention_context
-from .engine import GenerateConfig, Request
-from .engine.memory import default_kv_budget, row_kv_bytes
-from .engine.prompt import encode_prompt
+from .engine import GenerateConfig
 from .engine.prompts_file import PromptSpec
 from .errors import MlxkvError
 from .models import load_model
-from .policy import build_caches, resolve_policy
+from .policy import resolve_policy
 from .run import GenerateJob, RunResult
-from .run_batch import BatchOptions, batch_summary
+from .run_batch import BatchOptions, admission, batch_summary, build_requests
 from .spec import SpecEngine, SpecOptions, draft_for_job
 
 
@@ -31,21 +28,11 @@ def run_speculative(job: GenerateJob, specs: list[PromptSpec], opts: BatchOption
     policy = resolve_policy(job.kv)
     lm = load_model(job.model, job.dtype)
     draft = draft_for_job(spec, job, lm)  # a mismatched draft fails before any work
-    requests = []
-    for s in specs:
-        ids = encode_prompt(lm.tokenizer, s.prompt, job.system, job.chat_template)
-        if not ids:
-            raise MlxkvError(f"prompt {s.id} is empty after tokenization")
-        max_tokens = job.max_tokens if s.max_tokens is None else s.max_tokens
-        requests.append(Request(tuple(ids), max_tokens, s.id, job.stop))
-    _, plan = build_caches(lm.model, policy)
-    dtype_size = next((p.dtype.size for _, p in tree_flatten(lm.model.parameters())
-                       if mx.issubdtype(p.dtype, mx.floating)), 2)
-    budget = opts.max_kv_bytes if opts.max_kv_bytes is not None else default_kv_budget()
+    requests = build_requests(lm, job, specs)
+    plan, budget, row_bytes = admission(lm, policy, opts)
     engine = SpecEngine(
         lm.model, lm.tokenizer, policy, draft, spec.num_draft_tokens, opts.batch_size,
-        GenerateConfig(job.sampling, job.prefill_chunk), kv_budget=budget,
-        row_bytes=lambda r: row_kv_bytes(lm.config, plan, len(r.prompt_ids) + r.max_tokens, dtype_size),
+        GenerateConfig(job.sampling, job.prefill_chunk), kv_budget=budget, row_bytes=row_bytes,
         on_finish=on_finish,
     )
     mx.reset_peak_memory()
