@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mlx.core as mx
+from mlx_lm import load
 from mlx_lm.generate import generate_step
 
 from kvcore.attention import attention_context
@@ -12,6 +13,19 @@ from kvcore.fidelity import teacher_forced_logprobs
 from kvcore.policy import KVOptions, build_caches, resolve_policy
 
 PROMPT = "Once upon a time there was a little girl. She liked to play with her big red ball in the park."
+
+
+def per_family(tiny_models, make):
+    """get(family) -> make(path, model, tokenizer): a fixture family loaded and prepared once."""
+    memo = {}
+
+    def get(family):
+        if family not in memo:
+            path = str(tiny_models(family))
+            memo[family] = make(path, *load(path))
+        return memo[family]
+
+    return get
 
 
 def ours(model, tok, ids, n, opts: KVOptions = KVOptions(), chunk: int = 512):

@@ -4,10 +4,9 @@ import json
 
 import mlx.core as mx
 import pytest
-from mlx_lm import load
 
 from fixtures.tiny_models import FAMILIES, MIN_MARGIN
-from helpers import margin_under, mlx_lm_greedy
+from helpers import margin_under, per_family
 from kvcore.attention import attention_context
 from kvcore.cache import BatchCompressedKVCache, CompressedKVCache
 from kvcore.codecs import CodecSpec
@@ -28,16 +27,8 @@ CHUNK = 8
 
 @pytest.fixture(scope="module")
 def loaded(tiny_models):
-    memo = {}
-
-    def get(family):
-        if family not in memo:
-            model, tok = load(str(tiny_models(family)))
-            reqs = [Request(tuple(tok.encode(p)), 14 + 4 * i, str(i)) for i, p in enumerate(PROMPTS)]
-            memo[family] = (model, tok, reqs)
-        return memo[family]
-
-    return get
+    return per_family(tiny_models, lambda path, model, tok: (
+        model, tok, [Request(tuple(tok.encode(p)), 14 + 4 * i, str(i)) for i, p in enumerate(PROMPTS)]))
 
 
 def alone_and_batched(model, tok, reqs, opts, batch_size):

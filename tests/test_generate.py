@@ -1,25 +1,16 @@
 """Generation through mlxkv's engine and caches on every model family."""
 
 import pytest
-from mlx_lm import load
 from mlx_lm.models.cache import RotatingKVCache
 
 from fixtures.tiny_models import FAMILIES, MIN_MARGIN
-from helpers import PROMPT, margin_under, mlx_lm_greedy, ours, tie_free_prefix
+from helpers import PROMPT, margin_under, mlx_lm_greedy, ours, per_family, tie_free_prefix
 from kvcore.policy import KVOptions
 
 
 @pytest.fixture(scope="module")
 def loaded(tiny_models):
-    cache = {}
-
-    def get(family):
-        if family not in cache:
-            model, tok = load(str(tiny_models(family)))
-            cache[family] = (model, tok, tok.encode(PROMPT))
-        return cache[family]
-
-    return get
+    return per_family(tiny_models, lambda path, model, tok: (model, tok, tok.encode(PROMPT)))
 
 
 @pytest.mark.parametrize("family", FAMILIES)

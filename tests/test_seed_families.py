@@ -8,9 +8,8 @@ about 2x; each is paired with a negative control (scales doubled) that must fail
 import json
 
 import pytest
-from mlx_lm import load
 
-from helpers import PROMPT, ours
+from helpers import PROMPT, ours, per_family
 from kvcore.codecs import CodecSpec
 from kvcore.fidelity import compare, teacher_forced_logprobs
 from kvcore.policy import KVOptions, KVPolicy, build_caches, resolve_policy
@@ -25,17 +24,11 @@ KV_CONFIG = {"gemma4": [{"layer_idx": 0, "bits": 4, "group_size": 32}, {"layer_i
 
 @pytest.fixture(scope="module")
 def family(tiny_models):
-    memo = {}
+    def prepare(path, model, tok):
+        ids = tok.encode(PROMPT * 3)[:64]
+        return model, tok, ids, teacher_forced_logprobs(model, ids, build_caches(model, KVPolicy())[0], 8)
 
-    def get(name):
-        if name not in memo:
-            model, tok = load(str(tiny_models(name)))
-            ids = tok.encode(PROMPT * 3)[:64]
-            ref = teacher_forced_logprobs(model, ids, build_caches(model, KVPolicy())[0], 8)
-            memo[name] = (model, tok, ids, ref)
-        return memo[name]
-
-    return get
+    return per_family(tiny_models, prepare)
 
 
 def kl(model, ids, ref, policy) -> float:

@@ -12,6 +12,7 @@ import pytest
 from mlx_lm import load
 
 from fixtures.tiny_models import FAMILIES
+from helpers import per_family
 from kvcore.attention import attention_context
 from kvcore.cache import CompressedKVCache
 from kvcore.engine import GenerateConfig, Request, generate_one, prefill
@@ -38,16 +39,8 @@ KINDS = {
 
 @pytest.fixture(scope="module")
 def loaded(tiny_models):
-    memo = {}
-
-    def get(family):
-        if family not in memo:
-            model, tok = load(str(tiny_models(family)))
-            reqs = [Request(tuple(tok.encode(p)), 8 + 4 * i, str(i)) for i, p in enumerate(PROMPTS)]
-            memo[family] = (model, tok, reqs)
-        return memo[family]
-
-    return get
+    return per_family(tiny_models, lambda path, model, tok: (
+        model, tok, [Request(tuple(tok.encode(p)), 8 + 4 * i, str(i)) for i, p in enumerate(PROMPTS)]))
 
 
 def plain(model, tok, reqs, policy):

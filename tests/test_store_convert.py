@@ -4,10 +4,9 @@ import json
 
 import mlx.core as mx
 import pytest
-from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
 
-from helpers import ours
+from helpers import ours, per_family
 from kvcore.engine.prompt import encode_continuation
 from kvcore.policy import KVOptions, resolve_policy
 from kvcore.policy.kv_spec import parse_kv
@@ -19,14 +18,7 @@ N = 20
 
 @pytest.fixture(scope="module")
 def loaded(tiny_models):
-    cache = {}
-
-    def get(family):
-        if family not in cache:
-            cache[family] = (str(tiny_models(family)), *load(str(tiny_models(family))))
-        return cache[family]
-
-    return get
+    return per_family(tiny_models, lambda path, model, tok: (path, model, tok))
 
 
 def _continue_matches_quantizing_at_the_prefix(path, model, tok, f, opts: dict):

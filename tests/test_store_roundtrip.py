@@ -3,9 +3,8 @@
 import json
 
 import pytest
-from mlx_lm import load
 
-from helpers import ours
+from helpers import ours, per_family
 from kvcore.engine.prompt import encode_continuation, encode_prompt
 from kvcore.policy import KVOptions
 from kvcore.store import open_cache_file
@@ -16,14 +15,7 @@ N = 20
 
 @pytest.fixture(scope="module")
 def loaded(tiny_models):
-    cache = {}
-
-    def get(family):
-        if family not in cache:
-            cache[family] = (str(tiny_models(family)), *load(str(tiny_models(family))))
-        return cache[family]
-
-    return get
+    return per_family(tiny_models, lambda path, model, tok: (path, model, tok))
 
 
 @pytest.fixture(scope="module")
