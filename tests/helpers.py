@@ -13,6 +13,12 @@ from kvcore.fidelity import teacher_forced_logprobs
 from kvcore.policy import KVOptions, build_caches, resolve_policy
 
 PROMPT = "Once upon a time there was a little girl. She liked to play with her big red ball in the park."
+ROW_PROMPTS = [  # rows of different lengths, for batched and speculative runs
+    "Once upon a time there was a little girl named Lily.",
+    "The dog",
+    "She liked to play with her big red ball in the park every day. One day",
+    "Tom",
+]
 
 
 def per_family(tiny_models, make):

@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 
 from fixtures.tiny_models import FAMILIES, MIN_MARGIN
-from helpers import margin_under, per_family
+from helpers import ROW_PROMPTS as PROMPTS, margin_under, per_family
 from kvcore.attention import attention_context
 from kvcore.cache import BatchCompressedKVCache, CompressedKVCache
 from kvcore.codecs import CodecSpec
@@ -16,12 +16,6 @@ from kvcore.errors import MlxkvError
 from kvcore.engine.prompts_file import load_prompts_file
 from kvcore.policy import KVOptions, build_caches, resolve_policy
 
-PROMPTS = [
-    "Once upon a time there was a little girl named Lily.",
-    "The dog",
-    "She liked to play with her big red ball in the park every day. One day",
-    "Tom",
-]
 CHUNK = 8
 
 

@@ -44,11 +44,15 @@ def test_random_bytes_with_gguf_magic(tmp_path):
         load_gguf(bad)
 
 
-def test_unsupported_architecture(tmp_path):
+@pytest.mark.parametrize("key,value,message", [
+    ("general.architecture", "mamba", "unsupported GGUF architecture 'mamba'"),
+    ("tokenizer.ggml.model", "bert", "tokenizer model 'bert'"),
+], ids=["architecture", "tokenizer"])
+def test_unsupported_metadata(tmp_path, key, value, message):
     meta = stories_metadata()
-    meta["general.architecture"] = "mamba"
-    path = write_dense(tmp_path / "mamba.gguf", meta)
-    with pytest.raises(MlxkvError, match="unsupported GGUF architecture 'mamba'"):
+    meta[key] = value
+    path = write_dense(tmp_path / f"{value}.gguf", meta)
+    with pytest.raises(MlxkvError, match=message):
         load_gguf(path)
 
 
@@ -59,14 +63,6 @@ def test_unsupported_tensor_type(tmp_path):
     path = gw.write_gguf(tmp_path / "q5k.gguf", stories_metadata(), tensors)
     msg = r"unsupported tensor type Q5_K for tensor 'blk\.0\.attn_q\.weight'"
     with pytest.raises(MlxkvError, match=msg):
-        load_gguf(path)
-
-
-def test_unsupported_tokenizer(tmp_path):
-    meta = stories_metadata()
-    meta["tokenizer.ggml.model"] = "bert"
-    path = write_dense(tmp_path / "bert.gguf", meta)
-    with pytest.raises(MlxkvError, match="tokenizer model 'bert'"):
         load_gguf(path)
 
 

@@ -12,7 +12,7 @@ import pytest
 from mlx_lm import load
 
 from fixtures.tiny_models import FAMILIES
-from helpers import per_family
+from helpers import ROW_PROMPTS as PROMPTS, per_family
 from kvcore.attention import attention_context
 from kvcore.cache import CompressedKVCache
 from kvcore.engine import GenerateConfig, Request, generate_one, prefill
@@ -20,12 +20,6 @@ from kvcore.policy import KVOptions, build_caches, resolve_policy
 from kvcore.spec import DraftProvider, ModelDraft, PromptLookup, Proposal, SpecEngine
 from kvcore.spec.rows import Checkpoint, feed, offsets, pad, rollback
 
-PROMPTS = [
-    "Once upon a time there was a little girl named Lily.",
-    "The dog",
-    "She liked to play with her big red ball in the park every day. One day",
-    "Tom",
-]
 CHUNK = 8
 KINDS = {
     "full": KVOptions(),
