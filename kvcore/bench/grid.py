@@ -107,7 +107,7 @@ class Case:
 
 def run_grid(model, vocab: int, cfg: BenchConfig, progress: Callable[[str], None] | None = None,
              bandwidth: float | None = None) -> list[dict]:
-    policies = {s: scheme_policy(s) for s in cfg.schemes}  # bad schemes fail before any work
+    policies = {s: scheme_policy(s) for s in cfg.schemes}  # already checked by BenchConfig
     wbytes = step_weight_bytes(model)
     rows = []
     for context in cfg.contexts:
