@@ -16,6 +16,7 @@ from kvcore.bench.grid import BenchConfig, run_grid
 from kvcore.errors import MlxkvError
 from kvcore.distributed import current, handshake, load_for_run, shard
 from kvcore.models import parse_dtype
+from kvcore.store.atomic import check_target
 
 from . import bench_output
 from .options import DtypeOpt, JsonOpt, ModelOpt
@@ -52,6 +53,9 @@ def bench(
     """Benchmark KV schemes side by side with mlx-lm."""
     cfg = BenchConfig(tuple(s.strip() for s in kv.split(",") if s.strip()), parse_ints(context, "--context"),
                       parse_ints(batch, "--batch"), gen, repeats, seed, not no_baseline)
+    for target in (output, csv, plot):  # a bad output path fails now, not after the whole run
+        if target is not None:
+            check_target(target)
     if plot is not None:
         bench_output.require_matplotlib()
     if shape and model:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 from pathlib import Path
@@ -57,5 +58,11 @@ def edit_doc(path: Path, out: Path, change) -> None:
     header, data = split(path)
     doc = json.loads(header["__metadata__"]["mlxkv"])
     change(doc)
-    header["__metadata__"]["mlxkv"] = json.dumps(doc)
+    set_doc(header, json.dumps(doc))
     out.write_bytes(join(header, data))
+
+
+def set_doc(header: dict, text: str) -> None:
+    """Put `text` as the mlxkv document, with its checksum recomputed (a deliberate edit, not damage)."""
+    header["__metadata__"]["mlxkv"] = text
+    header["__metadata__"]["mlxkv_sha256"] = hashlib.sha256(text.encode()).hexdigest()

@@ -47,7 +47,7 @@ def test_rank_files_record_their_sharding(two_ranks):
     _, out, _ = two_ranks
     for rank in range(2):
         cf = open_cache_file(rank_path(out / "run.kv", rank, 2))
-        assert cf.header["version"] == 2 and cf.header["sharding"] == {"ranks": 2, "rank": rank, "kv_heads": 1}
+        assert cf.header["version"] == 3 and cf.header["sharding"] == {"ranks": 2, "rank": rank, "kv_heads": 1}
         assert cf.layers[0]["dims"][1] == 1 and cf.layers[0]["enc"] >= 2  # its own KV head, 4-bit blocks
     assert (out / "run.rank1-of-2.kv").exists() and not (out / "run.rank0-of-2.kv").exists()
 

@@ -10,7 +10,7 @@ from kvcore.errors import MlxkvError
 from kvcore.policy import KVOptions
 from kvcore.store import open_cache_file
 from kvcore.store.atomic import atomic_write
-from store_helpers import DOC, cli, edit_doc, job, join, split
+from store_helpers import DOC, cli, edit_doc, job, join, set_doc, split
 
 OPTS = KVOptions(max_kv_size=48, keep=4, kv_bits=4, kv_group_size=32, quantized_kv_start=0)
 
@@ -63,7 +63,7 @@ CASES = {
     "header length": (_raw(lambda b: (2**40).to_bytes(8, "little") + b[8:]), "invalid header length"),
     "header json": (_raw(lambda b: b[:8] + b"x" + b[9:]), "not valid JSON"),
     "mlxkv json": (_doc(lambda d: None), None),  # replaced below: a broken document string
-    "version": (_doc(_set(["version"], 3)), "unsupported format version 3"),
+    "version": (_doc(_set(["version"], 9)), "unsupported format version 9"),
     "format": (_doc(_set(["format"], "other")), "unknown format 'other'"),
     "header shape": (_doc(_set(["arrays", "layers.0.0", "shape"], [1, 2, 3])), "in the header"),
     "layer shape": (_doc(_set(["layers", 0, "dims"], [1, 4, 8, 16])), "its layer needs"),
@@ -80,7 +80,7 @@ CASES = {
 
 def _broken_doc(good, out):
     header, data = split(good)
-    header["__metadata__"]["mlxkv"] = header["__metadata__"]["mlxkv"][:-5]
+    set_doc(header, header["__metadata__"]["mlxkv"][:-5])
     out.write_bytes(join(header, data))
 
 

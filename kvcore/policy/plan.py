@@ -45,6 +45,8 @@ class KVPolicy:
             raise MlxkvError(f"recent tokens must be >= 0, got {self.recent}")
         if self.start < 0:
             raise MlxkvError(f"--quantized-kv-start must be >= 0, got {self.start}")
+        if self.keep < 0:
+            raise MlxkvError(f"--kv-keep must be >= 0, got {self.keep}")
         if self.max_kv_size is not None and self.max_kv_size <= self.keep:
             raise MlxkvError(f"--max-kv-size ({self.max_kv_size}) must be larger than keep ({self.keep})")
 

@@ -21,7 +21,19 @@ def check_target(path: str | Path) -> Path:
         raise MlxkvError(f"cannot write {path}: it is a directory")
     if not path.parent.is_dir():
         raise MlxkvError(f"cannot write {path}: folder {path.parent} does not exist")
+    if path.exists() and not path.is_file():
+        raise MlxkvError(f"cannot write {path}: it exists and is not a regular file")
+    check_writable(path.parent, path)
     return path
+
+
+def check_writable(folder: Path, target: str | Path) -> None:
+    """Create and remove a file in `folder`: the only test of writability that holds for every user
+    and file system (permission bits say nothing to root or on a read-only mount)."""
+    try:
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as e:
+        raise MlxkvError(f"cannot write {target}: folder {folder} is not writable ({e.strerror or e})") from None
 
 
 def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> None:

@@ -9,6 +9,7 @@ are copied. With a target that compresses nothing, mlx-lm caches stay as they ar
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from ..cache import CompressedKVCache
 from ..codecs import CodecSpec, make_codec
 from ..errors import MlxkvError
 from ..policy import KVPolicy
+from .atomic import check_target
 from .file import open_cache_file, save_cache
 from .sharding import Sharding, set_paths
 
@@ -123,11 +125,19 @@ def _rank_notice(src: Path, dst: Path, sharding: Sharding) -> str:
     return f"{src} holds {sharding.describe()}'s KV heads, and so does {dst}: {todo}, so that they load together"
 
 
+def _same_file(src: Path, dst: Path) -> bool:
+    try:
+        return os.path.samefile(src, dst)
+    except OSError:  # dst does not exist (or cannot be reached): not the input
+        return os.path.abspath(src) == os.path.abspath(dst)
+
+
 def convert_cache_file(src: str | Path, dst: str | Path, policy: KVPolicy) -> ConvertResult:
     src, dst = Path(src), Path(dst)
-    if src.resolve() == dst.resolve() or (dst.exists() and src.exists() and dst.samefile(src)):
+    cf = open_cache_file(src)  # a missing, looping or non-regular input is refused here, by name
+    if _same_file(src, dst):
         raise MlxkvError(f"convert-kv writes a new file: the output {dst} is the input")
-    cf = open_cache_file(src)
+    check_target(dst)
     n_layers = len(cf.layers)
     for idx, _ in policy.layer_codecs or ():
         if idx >= n_layers or cf.layers[idx]["kind"] == "arrays":

@@ -90,7 +90,7 @@ def _check_compressed(f: Fields, fail: Fail) -> list[Shape]:
     if start is None and (kspec.compresses or vspec.compresses):
         raise fail(f"{w}: a compressing codec needs a start")
     window, keep = f.int("window", lo=1, optional=True), f.int("keep")
-    recent = f.int("recent", hi=MAX_DIM) if "recent" in e else 0  # files before `recent` have none
+    recent = f.int("recent") if "recent" in e else 0  # files before `recent` have none
     if recent and start is None:
         raise fail(f"{w}: recent tokens {recent} without a compressing codec")
     if (window is not None and keep >= window) or (window is None and keep):

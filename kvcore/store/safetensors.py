@@ -13,6 +13,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,7 +70,7 @@ class Container:
         return CacheFileError(f"cache file {self.path}: {msg}")
 
     def read(self, t: Tensor) -> bytes:
-        with open(self.path, "rb") as f:
+        with open_regular(self.path) as f:
             f.seek(t.begin)
             data = f.read(t.nbytes)
         if len(data) != t.nbytes:
@@ -77,7 +79,7 @@ class Container:
 
     def sha256(self, t: Tensor) -> str:
         h = hashlib.sha256()
-        with open(self.path, "rb") as f:
+        with open_regular(self.path) as f:
             f.seek(t.begin)
             left = t.nbytes
             while left:
@@ -90,6 +92,7 @@ class Container:
 
     def load_arrays(self) -> dict[str, mx.array]:
         """The arrays, by mx.load (lazy); its errors on a file changed since the checks are ours."""
+        open_regular(self.path).close()  # mx.load opens the path again: still a regular file?
         try:
             arrays = mx.load(str(self.path), format="safetensors")
         except (RuntimeError, ValueError, OSError) as e:
@@ -105,15 +108,34 @@ def _fail(path: Path, msg: str) -> CacheFileError:
     return CacheFileError(f"cache file {path}: {msg}")
 
 
+_NOT_REGULAR = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def open_regular(path: Path):
+    """`path` opened for reading if it is a regular file (checked on the open descriptor, so a FIFO
+    or device is refused instead of blocking on open or read)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    except FileNotFoundError:
+        raise CacheFileError(f"cache file not found: {path}")
+    except OSError as e:
+        raise CacheFileError(f"cannot read cache file {path}: {e.strerror or e}")
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        what = next((name for test, name in _NOT_REGULAR if test(mode)), "not a regular file")
+        raise CacheFileError(f"cache file {path} is {what}, not a regular file")
+    if hasattr(os, "set_blocking"):
+        os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
 def open_container(path: str | Path) -> Container:
     """Check the container (header length, JSON, tensor table, data extent); read no array."""
     path = Path(path)
-    if not path.exists():
-        raise CacheFileError(f"cache file not found: {path}")
-    if path.is_dir():
-        raise CacheFileError(f"cache file {path} is a directory")
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             size = f.seek(0, 2)
             f.seek(0)
             head = f.read(8)
