@@ -10,6 +10,8 @@ from mlx.utils import tree_flatten
 from mlx_lm import load
 from typer.testing import CliRunner
 
+from backend_expect import mlx_lm_quantized_runs
+
 from kvcore.bench import SHAPES
 from kvcore.bench.fit import fit_table, layer_shapes, row_bytes
 from kvcore.bench.shapes import shape_weight_bytes
@@ -40,6 +42,8 @@ def test_bench_rows_are_cross_checked(tiny_models, tmp_path):
         if engine == "mlx-lm" and batch > 1 and scheme != "full":
             assert "cannot quantize" in r["error"]  # shown, not hidden
             continue
+        if engine == "mlx-lm" and scheme != "full" and not mlx_lm_quantized_runs(r.get("error")):
+            continue  # CUDA: mlx-lm's quantized KV fails (asserted), mlxkv's rows still run
         assert "error" not in r, r
         assert r["tokens"] == batch * 4  # what was asked for, EOS or not
         if engine == "mlxkv":
