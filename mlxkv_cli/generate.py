@@ -8,15 +8,18 @@ from typing import Annotated, Optional
 import typer
 
 from kvcore.engine import SamplingConfig
+from kvcore.codecs import BITS
 from kvcore.errors import MlxkvError
-from kvcore.policy import KVOptions
+from kvcore.models import context_notice, dtype_name, read_config
+from kvcore.policy import KVOptions, resolve_policy
 from kvcore.run import GenerateJob, run_generate
 from kvcore.run_batch import BatchOptions, run_batch
 from kvcore.units import parse_bytes
 
 from . import output
+from .hub import fetch_model
 from .options import (DtypeOpt, JsonOpt, KeepOpt, KvBitsOpt, KvConfigOpt, KvGroupOpt, KvOpt, KvStartOpt, MaxKvOpt,
-                      ModelOpt, ProfileOpt, VerboseOpt)
+                      ModelOpt, OfflineOpt, ProfileOpt, VerboseOpt)
 from .prompts import read_prompts
 from .speculative import DraftKvBitsOpt, DraftModelOpt, DraftOpt, NumDraftOpt, speculative
 
@@ -54,10 +57,13 @@ def generate(
     draft: DraftOpt = None,
     num_draft_tokens: NumDraftOpt = 4,
     draft_kv_bits: DraftKvBitsOpt = None,
+    offline: OfflineOpt = False,
     json_out: JsonOpt = False,
     verbose: VerboseOpt = False,
 ):
     """Generate text with a compressed KV cache."""
+    dtype = dtype_name(dtype)  # fp16 reads as float16, as --kv spells it
+    check_draft_flags(draft, draft_model, draft_kv_bits)
     job = GenerateJob(
         prompts=[],
         model=model, dtype=dtype, system=system_prompt, chat_template=not no_chat_template,
@@ -72,6 +78,9 @@ def generate(
     specs = read_prompts(prompt_arg, prompt, prompt_file, prompts_file)
     if (save_cache or load_cache) and (len(specs) > 1 or prompts_file is not None):
         raise MlxkvError("--save-cache and --load-cache take exactly one prompt")
+    resolve_policy(job.kv)  # bad KV flags fail before any download
+    fetch_model(model, offline)
+    fetch_model(draft_model, offline)
     if draft is not None or draft_model is not None:
         opts = BatchOptions(batch_size, parse_bytes(max_kv_bytes, "--max-kv-bytes") if max_kv_bytes else None)
         return speculative(job, specs, opts, draft, draft_model, num_draft_tokens, draft_kv_bits, json_out, verbose)
@@ -81,6 +90,8 @@ def generate(
         opts = BatchOptions(batch_size, parse_bytes(max_kv_bytes, "--max-kv-bytes") if max_kv_bytes else None)
         on_finish = output.json_completion if json_out else output.labelled_completion
         result = run_batch(job, specs, opts, on_finish=on_finish, on_notice=output.notice)
+        limits = {s.id: job.max_tokens if s.max_tokens is None else s.max_tokens for s in specs}
+        _context_note(model, [c.prompt_tokens + limits.get(c.id, job.max_tokens) for c in result.completions])
         if json_out:
             output.json_line(result.summary)
         else:
@@ -88,6 +99,8 @@ def generate(
         return
     job.prompts = [specs[0].prompt]
     result = run_generate(job, on_text=None if json_out else output.stream_text, on_notice=output.notice)
+    reused = result.summary["kv_policy"].get("reused_tokens") or 0
+    _context_note(model, [reused + c.prompt_tokens + job.max_tokens for c in result.completions])
     if json_out:
         for c in result.completions:
             output.json_line(c.to_json())
@@ -97,3 +110,23 @@ def generate(
     if verbose:
         output.plan_table(result.summary["plan"])
     output.stats_line(result.completions[-1], result.summary)
+
+
+def check_draft_flags(draft: str | None, draft_model: str | None, draft_kv_bits: int | None) -> None:
+    """Speculative flags that would be accepted and ignored are one-line errors."""
+    if draft not in (None, "model") and draft_model is not None:
+        raise MlxkvError(f"--draft {draft} drafts without a second model: drop --draft-model (or use --draft model)")
+    if draft_kv_bits is not None:
+        if draft_model is None:
+            raise MlxkvError("--draft-kv-bits needs --draft-model (the draft model's KV cache is what it sets)")
+        if draft_kv_bits not in (0, *BITS):
+            raise MlxkvError(f"--draft-kv-bits must be 0 (full precision) or one of {', '.join(map(str, BITS))}, "
+                             f"got {draft_kv_bits}")
+
+
+def _context_note(model: str | None, lengths: list[int]) -> None:
+    """Once per run: rows that ran past the model's trained context (GGUF files: not checked)."""
+    config = read_config(model)
+    notice = context_notice(config, lengths) if config is not None else None
+    if notice:
+        output.notice(notice)

@@ -7,8 +7,9 @@ from typing import Annotated, Optional
 
 import typer
 
-ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="Local folder, .gguf file, or a repo id in the local Hugging Face cache. Default: the embedded stories260K model.")]
-DtypeOpt = Annotated[Optional[str], typer.Option(help="Activation/KV dtype: float32, float16 or bfloat16 (default: the model's).")]
+ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="Local folder, .gguf file, or a Hugging Face repo id (downloaded unless cached or --offline). Default: the embedded stories260K model (also named 'embedded').")]
+OfflineOpt = Annotated[bool, typer.Option("--offline", help="Never download: a repo id must be in the local Hugging Face cache (as HF_HUB_OFFLINE=1).")]
+DtypeOpt = Annotated[Optional[str], typer.Option(help="Activation/KV dtype: float32, float16 or bfloat16 (fp32, fp16, bf16; default: the model's).")]
 KvOpt = Annotated[Optional[str], typer.Option("--kv", help="KV scheme: full, affine:4, affine:4/g32, turbo:k4v3, turbo:4/r16 (/rN: N newest tokens full precision), config:FILE. Compresses from the first token unless --quantized-kv-start is given.")]
 KvBitsOpt = Annotated[Optional[int], typer.Option(help="Quantize KV to this many bits (2,3,4,5,6,8), affine codec.")]
 KvGroupOpt = Annotated[Optional[int], typer.Option(help="Quantization group size (32, 64, 128). Default 64.")]

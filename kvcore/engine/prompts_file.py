@@ -1,5 +1,6 @@
 """--prompts-file: JSON Lines (`{"prompt": ..., "max_tokens": ..., "id": ...}`) or plain text
-(one prompt a line). Validated whole before anything is generated."""
+(one prompt a line). Validated whole before anything is generated. A row without an id gets its
+position among the prompts, from 0, as `-p` rows do (blank lines are skipped, not counted)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ class PromptSpec:
     max_tokens: int | None = None  # None: the run's --max-tokens
 
 
-def _from_json(path: Path, n: int, line: str) -> PromptSpec:
+def _from_json(path: Path, n: int, line: str, index: int) -> PromptSpec:
     where = f"prompts file {path.name} line {n}"
     try:
         obj = json.loads(line)
@@ -33,7 +34,7 @@ def _from_json(path: Path, n: int, line: str) -> PromptSpec:
     mt = obj.get("max_tokens")
     if mt is not None and (isinstance(mt, bool) or not isinstance(mt, int) or mt < 0):
         raise MlxkvError(f"{where}: max_tokens must be a non-negative integer, got {mt!r}")
-    rid = obj.get("id", str(n))
+    rid = obj.get("id", str(index))
     if not isinstance(rid, (str, int)) or isinstance(rid, bool):
         raise MlxkvError(f"{where}: id must be a string or integer")
     return PromptSpec(obj["prompt"], str(rid), mt)
@@ -51,7 +52,8 @@ def load_prompts_file(path: str | Path) -> list[PromptSpec]:
     if not numbered:
         raise MlxkvError(f"prompts file {path.name} has no prompts")
     as_json = numbered[0][1].lstrip().startswith("{")
-    specs = [_from_json(path, n, line) if as_json else PromptSpec(line, str(n)) for n, line in numbered]
+    # ids: a row's own "id", else its position among the prompts from 0 (as -p rows); errors name file lines
+    specs = [_from_json(path, n, line, k) if as_json else PromptSpec(line, str(k)) for k, (n, line) in enumerate(numbered)]
     ids = [s.id for s in specs]
     dup = next((i for i in ids if ids.count(i) > 1), None)
     if dup is not None:

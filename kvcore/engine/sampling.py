@@ -18,8 +18,8 @@ class SamplingConfig:
     seed: int | None = None
 
     def __post_init__(self):
-        if self.temp < 0:
-            raise MlxkvError(f"--temp must be >= 0, got {self.temp}")
+        if not (0 <= self.temp < float("inf")):  # NaN fails every comparison
+            raise MlxkvError(f"--temp must be a finite number >= 0, got {self.temp}")
         if not 0 < self.top_p <= 1:
             raise MlxkvError(f"--top-p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p < 1:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from ..codecs import FULL, CodecSpec
 from ..errors import MlxkvError
+from .companions import check_companions
 from .kv_config import load_kv_layers
 from .kv_spec import GROUPED, KvScheme, parse_kv
 from .plan import MLX_LM_DEFAULT_START, KVPolicy
@@ -47,6 +48,7 @@ def _layers(path: str) -> tuple[tuple, tuple | None]:
 
 def resolve_policy(o: KVOptions) -> KVPolicy:
     prof = load_profile(o.profile) if o.profile else {}
+    check_companions(o, prof)
     window = o.max_kv_size if o.max_kv_size is not None else (prof.get("window") or None)
     keep = o.keep if o.keep is not None else prof.get("keep", 4)
     scheme = _scheme(o, prof)
@@ -59,7 +61,7 @@ def resolve_policy(o: KVOptions) -> KVPolicy:
                         layer_value_codecs=layer_values, recent=scheme.recent)
     name = prof.get("codec", "affine" if prof.get("bits") else "full")
     bits = o.kv_bits if o.kv_bits is not None else prof.get("bits")
-    group = o.kv_group_size or prof.get("group_size") or 64
+    group = o.kv_group_size if o.kv_group_size is not None else prof.get("group_size") or 64
     kv_config = o.kv_config or prof.get("kv_config")
     if o.kv_bits is not None and name == "full":
         name = "affine"
