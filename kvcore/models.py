@@ -108,12 +108,9 @@ def load_model(ref: str | None = None, dtype: str | None = None, extra_eos: Sequ
 
         model, tokenizer, config = load_gguf(path, dtype=mx_dtype)
     else:
-        from mlx_lm.utils import load
+        from .model_folder import load_folder
 
-        try:
-            model, tokenizer, config = load(str(path), return_config=True)
-        except (ValueError, FileNotFoundError, KeyError) as e:
-            raise MlxkvError(f"cannot load model {source}: {str(e).splitlines()[0]}")
+        model, tokenizer, config = load_folder(path, source)
     if mx_dtype is not None:
         model.set_dtype(mx_dtype)
     _add_stop_ids(tokenizer, path, extra_eos)

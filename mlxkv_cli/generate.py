@@ -75,7 +75,10 @@ def generate(
         save_cache=str(save_cache) if save_cache else None, load_cache=str(load_cache) if load_cache else None,
         continue_mode="full" if prompt_file is not None else "append", chat_continue=chat_continue,
     )
-    specs = read_prompts(prompt_arg, prompt, prompt_file, prompts_file)
+    specs = read_prompts(prompt_arg, prompt, prompt_file, prompts_file,
+                         continuation=load_cache is not None and prompt_file is None)
+    if max_kv_bytes is not None:  # checked for one prompt too, though only batches use it
+        parse_bytes(max_kv_bytes, "--max-kv-bytes")
     if (save_cache or load_cache) and (len(specs) > 1 or prompts_file is not None):
         raise MlxkvError("--save-cache and --load-cache take exactly one prompt")
     resolve_policy(job.kv)  # bad KV flags fail before any download

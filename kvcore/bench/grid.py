@@ -37,6 +37,8 @@ class BenchConfig:
                 raise MlxkvError(f"{name} needs positive integers, got {list(values)}")
         if self.gen < 2 or self.repeats < 1:
             raise MlxkvError("--gen must be >= 2 and --repeats >= 1")
+        if not 0 <= self.seed < 2**64:
+            raise MlxkvError(f"--seed must be an integer in [0, 2^64), got {self.seed}")
         if not self.schemes:
             raise MlxkvError(f"--kv: no schemes given (accepted: {accepted_schemes()})")
         for s in self.schemes:

@@ -24,6 +24,8 @@ def _from_json(path: Path, n: int, line: str, index: int) -> PromptSpec:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
         raise MlxkvError(f"{where}: not valid JSON ({e.msg})")
+    except RecursionError:
+        raise MlxkvError(f"{where}: nested too deeply to read") from None
     if not isinstance(obj, dict):
         raise MlxkvError(f"{where}: expected a JSON object")
     unknown = set(obj) - {"prompt", "max_tokens", "id"}
@@ -54,8 +56,10 @@ def load_prompts_file(path: str | Path) -> list[PromptSpec]:
     as_json = numbered[0][1].lstrip().startswith("{")
     # ids: a row's own "id", else its position among the prompts from 0 (as -p rows); errors name file lines
     specs = [_from_json(path, n, line, k) if as_json else PromptSpec(line, str(k)) for k, (n, line) in enumerate(numbered)]
-    ids = [s.id for s in specs]
-    dup = next((i for i in ids if ids.count(i) > 1), None)
-    if dup is not None:
-        raise MlxkvError(f"prompts file {path.name}: id {dup!r} appears more than once")
+    first: dict[str, int] = {}  # id -> its line (one pass: a million lines take seconds)
+    for (n, _), spec in zip(numbered, specs):
+        if spec.id in first:
+            raise MlxkvError(f"prompts file {path.name}: id {spec.id!r} appears more than once (lines "
+                             f"{first[spec.id]} and {n})")
+        first[spec.id] = n
     return specs

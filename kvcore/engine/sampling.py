@@ -24,6 +24,8 @@ class SamplingConfig:
             raise MlxkvError(f"--top-p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p < 1:
             raise MlxkvError(f"--min-p must be in [0, 1), got {self.min_p}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise MlxkvError(f"--seed must be in [0, 2^63), got {self.seed}")
 
     def sampler(self):
         if self.seed is not None:

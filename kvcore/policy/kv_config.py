@@ -87,4 +87,6 @@ def load_kv_layers(path: str | Path) -> Layers:
         data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise MlxkvError(f"kv_config {path}: not valid JSON ({e})")
+    except RecursionError:
+        raise MlxkvError(f"kv_config {path}: nested too deeply to read") from None
     return parse_kv_layers(data, source=f"kv_config {path.name}")

@@ -59,8 +59,10 @@ def resolve_policy(o: KVOptions) -> KVPolicy:
         source = "kv_config" if layer_codecs is not None else "flags" if o.kv is not None else "profile"
         return KVPolicy(scheme.key, start, window, keep, layer_codecs, source, value_codec=values,
                         layer_value_codecs=layer_values, recent=scheme.recent)
-    name = prof.get("codec", "affine" if prof.get("bits") else "full")
+    name = prof.get("codec", "affine" if prof.get("bits") is not None else "full")
     bits = o.kv_bits if o.kv_bits is not None else prof.get("bits")
+    if name != "full" and bits is None:
+        raise MlxkvError(f"profile {o.profile}: codec {name!r} needs bits (kv.bits, or --kv-bits)")
     group = o.kv_group_size if o.kv_group_size is not None else prof.get("group_size") or 64
     kv_config = o.kv_config or prof.get("kv_config")
     if o.kv_bits is not None and name == "full":

@@ -55,6 +55,8 @@ def load_profile(name_or_path: str) -> dict:
         data = tomllib.loads(path.read_text())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise MlxkvError(f"profile {path.name}: not valid TOML ({e})")
+    except RecursionError:
+        raise MlxkvError(f"profile {path.name}: nested too deeply to read") from None
     for key in data:
         if key not in ("description", "kv"):
             raise MlxkvError(f"profile {path.name}: unknown key {key!r}")
@@ -67,6 +69,9 @@ def load_profile(name_or_path: str) -> dict:
         typ = KEYS[key]
         if isinstance(value, bool) or not isinstance(value, typ):
             raise MlxkvError(f"profile {path.name}: 'kv.{key}' must be {typ.__name__}, got {value!r}")
+        if typ is int and value < (1 if key in ("bits", "group_size") else 0):
+            raise MlxkvError(f"profile {path.name}: 'kv.{key}' must be >= {1 if key in ('bits', 'group_size') else 0}, "
+                             f"got {value}")
     if "kv_config" in kv:
         kv = {**kv, "kv_config": str((path.parent / kv["kv_config"]).resolve())}
     return kv
