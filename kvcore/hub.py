@@ -83,7 +83,7 @@ def download(repo: str, progress: Progress | None = None) -> Path:
 
         bar = {"tqdm_class": lambda *a, **k: _Bytes(on_bytes, *a, **k)} if _takes_tqdm(hf_hub_download) else {}
         try:
-            hf_hub_download(repo, name, revision=info.sha, **bar)
+            hf_hub_download(repo, name, **bar)  # revision main: the cache records it (refs/main)
         except Exception as e:
             raise MlxkvError(f"cannot download {repo!r} ({name}): {_reason(e)}") from None
         done = start + size
