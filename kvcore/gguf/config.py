@@ -44,10 +44,13 @@ def _f32(v: Any) -> float:
     return float(f"{float(v):.7g}")
 
 
-def _req(gguf: GGUFFile, key: str) -> Any:
-    v = gguf.get(key)
+def _count(gguf: GGUFFile, key: str, default: Any = None) -> int:
+    """A positive integer from the metadata (heads, layers, sizes): 0 or a non-integer is refused."""
+    v = gguf.get(key, default)
     if v is None:
         raise MlxkvError(f"GGUF metadata is missing '{key}': {gguf.path}")
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise MlxkvError(f"GGUF metadata '{key}' must be a positive integer, got {v!r}: {gguf.path}")
     return v
 
 
@@ -55,13 +58,16 @@ def build_config(gguf: GGUFFile) -> dict[str, Any]:
     """The config.json mlx-lm expects (no quantization entry; weights.py adds it)."""
     arch, spec = arch_spec(gguf)
     p = arch + "."
-    n_heads = int(_req(gguf, p + "attention.head_count"))
-    hidden = int(_req(gguf, p + "embedding_length"))
-    n_kv = int(gguf.get(p + "attention.head_count_kv", n_heads))
+    n_heads = _count(gguf, p + "attention.head_count")
+    hidden = _count(gguf, p + "embedding_length")
+    n_kv = _count(gguf, p + "attention.head_count_kv", n_heads)
+    if n_heads % n_kv:
+        raise MlxkvError(f"GGUF metadata: {n_heads} attention heads are not a multiple of {n_kv} KV heads: "
+                         f"{gguf.path}")
     q_info = gguf.infos.get("blk.0.attn_q.weight")
-    head_dim = int(gguf.get(p + "attention.key_length",
-                            q_info.shape[0] // n_heads if q_info else hidden // n_heads))
-    rope_dims = int(gguf.get(p + "rope.dimension_count", head_dim))
+    head_dim = _count(gguf, p + "attention.key_length",
+                      q_info.shape[0] // n_heads if q_info else hidden // n_heads)
+    rope_dims = _count(gguf, p + "rope.dimension_count", head_dim)
     if rope_dims != head_dim:
         raise MlxkvError(f"partial RoPE ({rope_dims} of {head_dim} dims) is not supported: "
                          f"{gguf.path}")
@@ -72,13 +78,13 @@ def build_config(gguf: GGUFFile) -> dict[str, Any]:
         "architectures": [spec.hf_arch],
         "model_type": spec.model_type,
         "hidden_size": hidden,
-        "intermediate_size": int(_req(gguf, p + "feed_forward_length")),
-        "num_hidden_layers": int(_req(gguf, p + "block_count")),
+        "intermediate_size": _count(gguf, p + "feed_forward_length"),
+        "num_hidden_layers": _count(gguf, p + "block_count"),
         "num_attention_heads": n_heads,
         "num_key_value_heads": n_kv,
         "head_dim": head_dim,
         "vocab_size": vocab,
-        "max_position_embeddings": int(gguf.get(p + "context_length", 2048)),
+        "max_position_embeddings": _count(gguf, p + "context_length", 2048),
         "rms_norm_eps": _f32(gguf.get(p + "attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": _f32(gguf.get(p + "rope.freq_base", 10000.0)),
         "hidden_act": "silu",

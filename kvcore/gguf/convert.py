@@ -14,9 +14,11 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from kvcore.errors import MlxkvError
-from kvcore.gguf.config import build_config
+from kvcore.store.atomic import check_writable
+from kvcore.gguf.config import arch_spec, build_config
 from kvcore.gguf.reader import GGUFFile, read_gguf
 from kvcore.gguf.tokenizer import TokenizerSpec, build_tokenizer
+from kvcore.gguf.validate import check_tensors, check_vocabulary
 from kvcore.gguf.weights import convert_weights
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -35,6 +37,8 @@ def _prepare(path: str | Path, dtype: Any, dequantize: bool
     dtype = parse_dtype(dtype)
     gguf = read_gguf(path)
     config = build_config(gguf)
+    check_tensors(gguf, config, arch_spec(gguf)[1].attention_bias)
+    check_vocabulary(gguf, config)
     weights, quant = convert_weights(gguf, config, dtype=dtype, dequantize=dequantize)
     if quant is not None:
         config["quantization"] = quant
@@ -89,12 +93,15 @@ def load_gguf(path: str | Path, dtype: mx.Dtype | None = None, dequantize: bool 
 def convert_gguf(path: str | Path, out_dir: str | Path, dequantize: bool = False,
                  dtype: mx.Dtype | str | None = None) -> Path:
     """Write an mlx-lm loadable folder; atomic (temp dir beside out_dir, then rename)."""
-    out = Path(out_dir).expanduser().resolve()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise MlxkvError(f"output exists and is not an empty folder: {out}")
+    out = _check_output(out_dir)
     _, config, weights, tok = _prepare(path, dtype, dequantize)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    build_model(config, weights)  # the folder must load: refused here, before anything is written
+    tok.hf()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    except OSError as e:
+        raise MlxkvError(f"cannot write {out}: {e.strerror or e}") from None
     try:
         mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -105,7 +112,27 @@ def convert_gguf(path: str | Path, out_dir: str | Path, dequantize: bool = False
         if out.exists():
             out.rmdir()  # empty (checked above)
         os.replace(tmp, out)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise MlxkvError(f"cannot write {out}: {e.strerror or e}") from None
         raise
+    return out
+
+
+def _check_output(out_dir: str | Path) -> Path:
+    """The output folder, checked before the conversion starts: absent or empty, and creatable."""
+    out = Path(out_dir).expanduser().absolute()
+    try:
+        out = out.resolve()
+    except (OSError, RuntimeError):  # a symlink loop on the way
+        raise MlxkvError(f"cannot write {out}: too many levels of symbolic links") from None
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise MlxkvError(f"output exists and is not an empty folder: {out}")
+    folder = out.parent
+    while not folder.exists():
+        folder = folder.parent
+    if not folder.is_dir():
+        raise MlxkvError(f"cannot write {out}: {folder} is not a folder")
+    check_writable(folder, out)
     return out

@@ -13,6 +13,7 @@ mx.load(path, return_metadata=True) (mlx 0.32.4) does the heavy lifting:
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -131,6 +132,10 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
             chunk *= 4
 
 
+MAX_DIMS = 4  # GGML_MAX_DIMS
+MAX_ELEMENTS = 2**62  # a tensor's element count must stay well inside int64
+
+
 def _parse(buf: bytes, path: Path, size: int) -> dict[str, TensorInfo]:
     c = _Cursor(buf, path, size)
     c.take(4)
@@ -138,17 +143,34 @@ def _parse(buf: bytes, path: Path, size: int) -> dict[str, TensorInfo]:
     if version not in (2, 3):
         raise MlxkvError(f"unsupported GGUF version {version}: {path}")
     n_tensors, n_kv = c.unpack("Q"), c.unpack("Q")
+    # every tensor entry takes >= 24 header bytes, every metadata entry >= 12: counts beyond that lie
+    if n_tensors * 24 + n_kv * 12 > size:
+        raise MlxkvError(f"corrupt GGUF header: it claims {n_tensors} tensors and {n_kv} metadata entries, more "
+                         f"than {size} bytes can hold: {path}")
+    if n_tensors == 0:
+        raise MlxkvError(f"GGUF holds no tensors: {path}")
     alignment = 32
     for _ in range(n_kv):
         key, vtype = c.string(), c.unpack("I")
-        if key == "general.alignment" and vtype == 4:
+        if key == "general.alignment":
+            if vtype != 4:
+                raise MlxkvError(f"corrupt GGUF metadata: general.alignment must be a uint32 (type 4), not type "
+                                 f"{vtype}: {path}")
             alignment = c.unpack("I")
+            if alignment == 0 or alignment & (alignment - 1):
+                raise MlxkvError(f"corrupt GGUF metadata: general.alignment {alignment} is not a power of two: "
+                                 f"{path}")
         else:
             c.skip_value(vtype)
-    raw = []
+    raw, seen = [], set()
     for _ in range(n_tensors):
         name, ndim = c.string(), c.unpack("I")
+        if not 1 <= ndim <= MAX_DIMS:
+            raise MlxkvError(f"corrupt GGUF: tensor '{name}' has {ndim} dimensions (1 to {MAX_DIMS}): {path}")
         dims = [c.unpack("Q") for _ in range(ndim)]
+        if name in seen:
+            raise MlxkvError(f"corrupt GGUF: tensor '{name}' appears twice: {path}")
+        seen.add(name)
         raw.append((name, tuple(reversed(dims)), c.unpack("I"), c.unpack("Q")))
     data_start = -(-c.pos // alignment) * alignment
     infos = {}
@@ -156,14 +178,25 @@ def _parse(buf: bytes, path: Path, size: int) -> dict[str, TensorInfo]:
         if tid not in GGML_TYPES:
             raise MlxkvError(f"unsupported tensor type id {tid} for tensor '{name}': {path}")
         tname, block, block_bytes = GGML_TYPES[tid]
-        n = int(np.prod(shape)) if shape else 1
-        nbytes = n // block * block_bytes
+        if min(shape) < 1 or math.prod(shape) > MAX_ELEMENTS:
+            raise MlxkvError(f"corrupt GGUF: tensor '{name}' has shape {list(shape)}: {path}")
+        if shape[-1] % block and tname in SUPPORTED:  # (unsupported types are refused by name: check_types)
+            raise MlxkvError(f"corrupt GGUF: tensor '{name}' ({tname}) has rows of {shape[-1]} elements, not a "
+                             f"multiple of its {block}-element blocks: {path}")
+        if off % alignment:
+            raise MlxkvError(f"corrupt GGUF: tensor '{name}' data offset {off} is not a multiple of the alignment "
+                             f"{alignment}: {path}")
+        nbytes = math.prod(shape) // block * block_bytes
         start = data_start + off
         if start + nbytes > size:
             raise MlxkvError(
                 f"truncated GGUF: tensor '{name}' extends past the end of {path} "
                 f"(incomplete download?)")
         infos[name] = TensorInfo(name, shape, tname, start, nbytes)
+    ordered = sorted(infos.values(), key=lambda i: i.offset)
+    for a, b in zip(ordered, ordered[1:]):
+        if b.offset < a.offset + a.nbytes:
+            raise MlxkvError(f"corrupt GGUF: tensors '{a.name}' and '{b.name}' overlap in the file: {path}")
     return infos
 
 

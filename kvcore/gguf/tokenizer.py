@@ -114,6 +114,22 @@ def _spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> lis
     return [(left, right) for left, right, _ in merges]
 
 
+def _bpe_merges(gguf: GGUFFile, vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """`tokenizer.ggml.merges` as pairs; a byte-level BPE without merges cannot join two bytes
+    (every word would come out as single bytes), and a merge naming no token is corrupt."""
+    raw = gguf.get("tokenizer.ggml.merges")
+    if not raw:
+        raise MlxkvError(f"GGUF gpt2 (byte-level BPE) vocabulary has no tokenizer.ggml.merges: {gguf.path}")
+    merges = []
+    for k, m in enumerate(raw):
+        left, sep, right = m.partition(" ") if isinstance(m, str) else ("", "", "")
+        if not sep or left not in vocab or right not in vocab or left + right not in vocab:
+            raise MlxkvError(f"GGUF tokenizer.ggml.merges entry {k} ({m!r}) does not join two tokens of the "
+                             f"vocabulary into a third: {gguf.path}")
+        merges.append((left, right))
+    return merges
+
+
 def _bpe_pre_tokenizer(pre: str, path: Path) -> Any:
     if pre in _DIGITS_PRE:
         return pre_tokenizers.Sequence([
@@ -166,7 +182,7 @@ def build_tokenizer(gguf: GGUFFile, context_length: int = 2048) -> TokenizerSpec
     if model == "gpt2":
         kind, add_space = "bpe", False
         add_bos = bool(gguf.get("tokenizer.ggml.add_bos_token", False))
-        merges = [tuple(m.split(" ", 1)) for m in gguf.get("tokenizer.ggml.merges") or []]
+        merges = _bpe_merges(gguf, vocab)
         pre = gguf.get("tokenizer.ggml.pre", "default")
         llama3 = _REGEX_PRE.get(pre) == _LLAMA3_RE  # HF Llama-3 tokenizers ignore merges
         tk = Tokenizer(models.BPE(vocab, merges, dropout=None, unk_token=None, fuse_unk=False,
