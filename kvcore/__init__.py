@@ -2,12 +2,11 @@
 
 ```python
 from mlx_lm import load
-from kvcore import KVOptions, resolve_policy, build_caches, attention_context
+from kvcore import KVOptions, resolve_policy, build_caches
 
 model, tokenizer = load("path/or/repo")
 caches, plan = build_caches(model, resolve_policy(KVOptions(kv_bits=4, quantized_kv_start=0)))
-with attention_context(model):
-    logits = model(tokens[None], cache=caches)
+logits = model(tokens[None], cache=caches)   # attention reads the compressed caches; no context needed
 ```
 """
 

@@ -15,7 +15,6 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .attention import attention_context
 from .engine.forward import forward, next_boundary, cache_offset
 
 
@@ -23,17 +22,16 @@ def teacher_forced_logprobs(model: nn.Module, tokens: list[int], caches: list, c
     """Log-probabilities (T, vocab) of the next token at every position of `tokens`."""
     out, i = [], 0
     pos0 = cache_offset(caches)
-    with attention_context(model, required=False):
-        while i < len(tokens):
-            end = min(i + chunk, len(tokens))
-            b = next_boundary(caches, pos0 + i)
-            if b is not None and b < pos0 + end:
-                end = b - pos0
-            logits = forward(model, mx.array(tokens[i:end])[None], caches)[0].astype(mx.float32)
-            lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            mx.eval(lp)
-            out.append(lp)
-            i = end
+    while i < len(tokens):
+        end = min(i + chunk, len(tokens))
+        b = next_boundary(caches, pos0 + i)
+        if b is not None and b < pos0 + end:
+            end = b - pos0
+        logits = forward(model, mx.array(tokens[i:end])[None], caches)[0].astype(mx.float32)
+        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        mx.eval(lp)
+        out.append(lp)
+        i = end
     return mx.concatenate(out, axis=0)
 
 

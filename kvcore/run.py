@@ -7,7 +7,7 @@ from typing import Callable
 
 import mlx.core as mx
 
-from .attention import attention_context
+from .attention.hook import attention_stats, bind
 from .backend import backend_name, versions
 from .engine import GenerateConfig, Request, SamplingConfig, generate_one, kv_summary
 from .engine.prompt import encode_continuation, encode_prompt
@@ -89,7 +89,7 @@ def run_generate(job: GenerateJob, on_text: Callable[[str], None] | None = None,
         if on_notice:
             on_notice(msg)
 
-    completions, caches, plan, stats = [], [], [], None
+    completions, caches, plan = [], [], []
     mx.reset_peak_memory()
     kv_policy = {"source": policy.source, "codec": policy.label(), "start": policy.start,
                  "max_kv_size": policy.max_kv_size}
@@ -112,9 +112,10 @@ def run_generate(job: GenerateJob, on_text: Callable[[str], None] | None = None,
                 note(f"KV stays full precision: --quantized-kv-start {policy.start} lies beyond "
                      f"prompt ({len(ids)}) + max tokens ({job.max_tokens})")
         req = Request(tuple(feed), job.max_tokens, str(i), job.stop)
-        with attention_context(lm.model, required=compresses) as stats:
-            completions.append(generate_one(lm.model, lm.tokenizer, req, caches,
-                                            GenerateConfig(job.sampling, job.prefill_chunk), on_text))
+        if compresses:
+            bind(lm.model)  # loaded caches: make sure the model attends through kvcore
+        completions.append(generate_one(lm.model, lm.tokenizer, req, caches,
+                                        GenerateConfig(job.sampling, job.prefill_chunk), on_text))
         if job.save_cache:
             done = completions[-1]
             _, size = on_every_rank(dist, "saving the cache files",
@@ -134,7 +135,7 @@ def run_generate(job: GenerateJob, on_text: Callable[[str], None] | None = None,
         "plan": [p.to_json() for p in plan],
         "backend": backend_name(),
         "ranks": dist.size,
-        "attention_path": stats.path if stats else None,
+        "attention_path": attention_stats(caches).path,
         "versions": versions(),
     }
     return RunResult(completions, summary, notices)

@@ -7,18 +7,16 @@ from dataclasses import dataclass
 from typing import Callable
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
-from .attention import attention_context
 from .backend import backend_name, versions
-from .engine import GenerateConfig, Request
-from .engine.batch import BatchEngine
-from .engine.memory import default_kv_budget, row_kv_bytes
+from .engine import Engine, GenerateConfig, Request
+from .engine.memory import batch_need, default_kv_budget, model_bytes
 from .engine.prompt import encode_prompt
 from .engine.prompts_file import PromptSpec
 from .errors import MlxkvError
 from .distributed import load_for_run
-from .policy import build_caches, resolve_policy
+from .policy import resolve_policy
+from .policy.plan import plan_layers
 from .run import GenerateJob, RunResult
 
 
@@ -34,20 +32,22 @@ def run_batch(job: GenerateJob, specs: list[PromptSpec], opts: BatchOptions,
         raise MlxkvError(f"--max-tokens must be >= 0, got {job.max_tokens}")
     policy = resolve_policy(job.kv)
     lm, dist = load_for_run(job.model, job.dtype, repr((job, specs, opts)))
+    return run_engine(lm, dist, job, specs, opts, policy, on_finish)
+
+
+def run_engine(lm, dist, job: GenerateJob, specs: list[PromptSpec], opts: BatchOptions, policy,
+               on_finish: Callable | None = None, decoder=None) -> RunResult:
+    """Requests through the Engine (plain, or with `decoder`'s speculative rounds)."""
     requests = build_requests(lm, job, specs)
-    plan, budget, row_bytes = admission(lm, policy, opts)
-    engine = BatchEngine(
-        lm.model, lm.tokenizer, policy, opts.batch_size, GenerateConfig(job.sampling, job.prefill_chunk),
-        kv_budget=budget, row_bytes=row_bytes,
-        on_finish=on_finish,
-    )
+    plan, budget, need = admission(lm, policy, opts, job.prefill_chunk)
+    engine = Engine(lm.model, lm.tokenizer, policy, opts.batch_size, GenerateConfig(job.sampling, job.prefill_chunk),
+                    kv_budget=budget, batch_need=need, on_finish=on_finish, decoder=decoder)
     mx.reset_peak_memory()
     t0 = time.perf_counter()
-    with attention_context(lm.model, required=policy.compresses) as stats:
-        completions = engine.run(requests)
+    completions = engine.run(requests)
     wall = time.perf_counter() - t0
-    summary = batch_summary(lm, completions, engine, opts.batch_size, policy, plan, budget, wall, stats.path,
-                            dist.size)
+    summary = batch_summary(lm, completions, engine, opts.batch_size, policy, plan, budget, wall,
+                            engine.attention_stats.path, dist.size)
     return RunResult(completions, summary, [])
 
 
@@ -63,13 +63,12 @@ def build_requests(lm, job: GenerateJob, specs: list[PromptSpec]) -> list[Reques
     return requests
 
 
-def admission(lm, policy, opts: BatchOptions) -> tuple[list, int, Callable]:
-    """(per-layer plan, KV budget in bytes, a request's KV bytes at its longest) for the engine."""
-    _, plan = build_caches(lm.model, policy)
-    dtype_size = next((p.dtype.size for _, p in tree_flatten(lm.model.parameters())
-                       if mx.issubdtype(p.dtype, mx.floating)), 2)
-    budget = opts.max_kv_bytes if opts.max_kv_bytes is not None else default_kv_budget()
-    return plan, budget, lambda r: row_kv_bytes(lm.config, plan, len(r.prompt_ids) + r.max_tokens, dtype_size)
+def admission(lm, policy, opts: BatchOptions, chunk: int = 512) -> tuple[list, int, Callable]:
+    """(per-layer plan, KV budget in bytes, the bytes a batch of final lengths needs) for the
+    engine: the byte model, counting what the caches allocate."""
+    plan = plan_layers(lm.model, policy)
+    budget = opts.max_kv_bytes if opts.max_kv_bytes is not None else default_kv_budget(model_bytes(lm.model))
+    return plan, budget, batch_need(lm.config, plan, lm.model, policy, chunk)
 
 
 def batch_summary(lm, completions, engine, batch_size: int, policy, plan, budget: int, wall: float,
@@ -100,4 +99,5 @@ def batch_summary(lm, completions, engine, batch_size: int, policy, plan, budget
         "ranks": ranks,
         "attention_path": attention_path,
         "versions": versions(),
+        **({"_decoder_stats": engine.stats.to_json()} if engine.stats is not None else {}),
     }

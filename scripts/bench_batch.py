@@ -16,10 +16,9 @@ import time
 
 import mlx.core as mx
 
-from kvcore.attention import attention_context
 from kvcore.backend import backend_name, versions
 from kvcore.engine import GenerateConfig, Request
-from kvcore.engine.batch import BatchEngine
+from kvcore.engine import Engine
 from kvcore.models import load_model
 from kvcore.policy import KVOptions, resolve_policy
 
@@ -35,12 +34,11 @@ def prompts(vocab, rows, n, seed=0):
 def run_mlxkv(lm, ps, gen, opts):
     policy = resolve_policy(opts)
     reqs = [Request(tuple(p), gen, str(i)) for i, p in enumerate(ps)]
-    engine = BatchEngine(lm.model, lm.tokenizer, policy, len(ps), GenerateConfig())
-    engine.eos = set()  # benchmark fixed lengths
+    engine = Engine(lm.model, lm.tokenizer, policy, len(ps), GenerateConfig())
+    engine.ignore_eos = True  # benchmark fixed lengths
     mx.reset_peak_memory()
     t0 = time.perf_counter()
-    with attention_context(lm.model, required=policy.compresses):
-        out = engine.run(reqs)
+    out = engine.run(reqs)
     wall = time.perf_counter() - t0
     toks = sum(len(c.token_ids) for c in out)
     decode = max(c.gen_time for c in out)

@@ -18,7 +18,6 @@ import time
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
-from kvcore.attention import attention_context
 from kvcore.backend import backend_name, versions
 from kvcore.engine import GenerateConfig, Request, generate_one, kv_summary
 from kvcore.models import load_model
@@ -37,8 +36,7 @@ def run_mlxkv(lm, ids, n, bits):
     policy = resolve_policy(opts)
     caches, _ = build_caches(lm.model, policy)
     mx.reset_peak_memory()
-    with attention_context(lm.model, required=policy.compresses):
-        c = generate_one(lm.model, lm.tokenizer, Request(tuple(ids), n), caches, GenerateConfig())
+    c = generate_one(lm.model, lm.tokenizer, Request(tuple(ids), n), caches, GenerateConfig())
     return {"prompt_tps": c.prompt_tps, "decode_tps": c.gen_tps, "tokens": len(c.token_ids),
             "peak_memory_mb": mx.get_peak_memory() / 2**20, **kv_summary(caches)}
 

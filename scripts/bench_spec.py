@@ -16,14 +16,12 @@ import json
 import platform
 import statistics
 import time
-from contextlib import ExitStack
 
 import mlx.core as mx
 
-from kvcore.attention import attention_context
 from kvcore.backend import backend_name, versions
 from kvcore.engine import GenerateConfig, Request
-from kvcore.engine.batch import BatchEngine
+from kvcore.engine import Engine
 from kvcore.engine.prompt import encode_prompt
 from kvcore.models import load_model
 from kvcore.policy import KVOptions, resolve_policy
@@ -47,11 +45,8 @@ def run_engine(make, lm, ids, gen, models=()):
     """(decode tok/s, engine) of one run, EOS ignored. Decode = the engine's decode steps or
     rounds only (prompt and draft prefill excluded)."""
     engine = make()
-    engine.eos = set()
-    with ExitStack() as stack:
-        for m in (*models, lm.model):
-            stack.enter_context(attention_context(m))
-        engine.run([Request(tuple(ids), gen, "0")])
+    engine.ignore_eos = True
+    engine.run([Request(tuple(ids), gen, "0")])
     return engine.decoded / engine.decode_time, engine
 
 
@@ -125,7 +120,7 @@ def main():
         cfg = GenerateConfig()
 
         def plain():
-            tps, _ = run_engine(lambda: BatchEngine(lm.model, lm.tokenizer, policy, 1, cfg), lm, ids, a.gen)
+            tps, _ = run_engine(lambda: Engine(lm.model, lm.tokenizer, policy, 1, cfg), lm, ids, a.gen)
             return tps, {}
 
         def spec(new_draft):

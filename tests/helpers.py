@@ -6,7 +6,7 @@ import mlx.core as mx
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 
-from kvcore.attention import attention_context
+from kvcore.attention import attention_stats
 from kvcore.codecs import AffineCodec, register_codec
 from kvcore.engine import GenerateConfig, Request, generate_one
 from kvcore.fidelity import teacher_forced_logprobs
@@ -38,9 +38,8 @@ def ours(model, tok, ids, n, opts: KVOptions = KVOptions(), chunk: int = 512):
     """(tokens, AttentionStats) of a greedy run with mlxkv's engine under `opts`."""
     policy = resolve_policy(opts)
     caches, _ = build_caches(model, policy)
-    with attention_context(model, required=policy.compresses) as stats:
-        c = generate_one(model, tok, Request(tuple(ids), n), caches, GenerateConfig(prefill_chunk=chunk))
-    return c.token_ids, stats
+    c = generate_one(model, tok, Request(tuple(ids), n), caches, GenerateConfig(prefill_chunk=chunk))
+    return c.token_ids, attention_stats(caches)
 
 
 def mlx_lm_greedy(model, ids, n, prompt_cache=None):

@@ -5,6 +5,7 @@ import pytest
 from backend_expect import MLX_LM_QUANTIZED_FAILS, QMM_FAILURE, mlx_lm_quantized_attention_error
 
 from kvcore.attention import blockwise, kv_attention, reference_attention
+from kvcore.attention.config import AttentionConfig
 from kvcore.cache import CompressedKVCache
 from kvcore.codecs import CodecSpec
 
@@ -33,10 +34,9 @@ CASES = [
 
 @pytest.mark.parametrize("block", [None, 32], ids=["fused", "blockwise"])
 @pytest.mark.parametrize("spec,head_dim,window,keep,sinks", CASES)
-def test_attention_matches_reference(monkeypatch, spec, head_dim, window, keep, sinks, block):
-    monkeypatch.setattr(blockwise, "BLOCK", block)  # 32: several blocks even for short histories
-    mx.random.seed(3)
-    cache = CompressedKVCache(spec, start=0, window=window, keep=keep)
+def test_attention_matches_reference(spec, head_dim, window, keep, sinks, block):
+    mx.random.seed(3)  # block 32: several blocks even for short histories
+    cache = CompressedKVCache(spec, start=0, window=window, keep=keep, attention=AttentionConfig(block=block))
     Hq, Hkv = 6, 2  # GQA
     sink = mx.random.normal((Hq,)) if sinks else None
     for N in (5, 1, 1, 70, 1, 33, 1, 1, 130, 1):
@@ -63,13 +63,13 @@ def test_token_layout_view_has_shadow_when_a_chunk_completes_a_block():
 
 
 @pytest.mark.parametrize("block", [None, 32], ids=["stacked", "per-row"])
-def test_batched_decode_attention_matches_per_row(monkeypatch, block):
+def test_batched_decode_attention_matches_per_row(block):
     from kvcore.attention import batch_kv_attention
     from kvcore.cache import BatchCompressedKVCache
 
-    monkeypatch.setattr(blockwise, "BLOCK", block)
     mx.random.seed(5)
-    rows = [CompressedKVCache(CodecSpec("affine", 4, 32), start=s, window=w, keep=2) for s, w in
+    cfg = AttentionConfig(block=block)
+    rows = [CompressedKVCache(CodecSpec("affine", 4, 32), start=s, window=w, keep=2, attention=cfg) for s, w in
             ((0, None), (40, 64), (0, 48))]
     for r, n in zip(rows, (10, 50, 90)):
         r.update_and_fetch(mx.random.normal((1, 2, n, 16)), mx.random.normal((1, 2, n, 16)))
@@ -84,6 +84,7 @@ def test_batched_decode_attention_matches_per_row(monkeypatch, block):
 
 @pytest.mark.parametrize("bits,group", [(8, 64), (4, 32)])
 def test_quantized_matmul_decode_equals_portable_path(monkeypatch, bits, group):
+    # the accelerator is chosen per call by the config: qmm on (the default) vs off
     """The CPU/Metal accelerator (attention from packed words) == the portable path."""
     from kvcore.attention import qmm
     from kvcore.cache import BatchCompressedKVCache
@@ -94,13 +95,11 @@ def test_quantized_matmul_decode_equals_portable_path(monkeypatch, bits, group):
     q = mx.random.normal((1, 6, 1, 64))
     view, _ = cache.update_and_fetch(mx.random.normal((1, 2, 1, 64)), mx.random.normal((1, 2, 1, 64)))
     sinks = mx.random.normal((6,))
-    monkeypatch.setattr(qmm, "ENABLED", True)
     calls = []
     real = qmm.qmm_attention
     monkeypatch.setattr(qmm, "qmm_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
-    fast = kv_attention(q, view, 0.125, sinks)
-    monkeypatch.setattr(qmm, "ENABLED", False)
-    ref = kv_attention(q, view, 0.125, sinks)
+    fast = kv_attention(q, view, 0.125, sinks, AttentionConfig(qmm=True))
+    ref = kv_attention(q, view, 0.125, sinks, AttentionConfig(qmm=False))
     if MLX_LM_QUANTIZED_FAILS:  # CUDA: quantized_matmul has no kernel here, so the accelerator never serves
         assert not calls and mx.allclose(fast, ref).item()
         assert QMM_FAILURE in mlx_lm_quantized_attention_error(bits, group)  # mlx-lm's own quantized attention
@@ -116,10 +115,9 @@ def test_quantized_matmul_decode_equals_portable_path(monkeypatch, bits, group):
     batch = BatchCompressedKVCache(rows)
     pv, _ = batch.update_and_fetch(mx.random.normal((2, 2, 1, 64)), mx.random.normal((2, 2, 1, 64)))
     q2 = mx.random.normal((2, 6, 1, 64))
-    monkeypatch.setattr(qmm, "ENABLED", True)
-    fast = blockwise.packed_attention(q2, pv, 0.125)
-    monkeypatch.setattr(qmm, "ENABLED", False)
-    assert mx.allclose(fast, blockwise.packed_attention(q2, pv, 0.125), atol=2e-5, rtol=1e-4).item()
+    fast = blockwise.packed_attention(q2, pv, 0.125, None, AttentionConfig(qmm=True))
+    ref = blockwise.packed_attention(q2, pv, 0.125, None, AttentionConfig(qmm=False))
+    assert mx.allclose(fast, ref, atol=2e-5, rtol=1e-4).item()
 
 
 def test_cuda_kernel_is_selected_only_where_it_applies():

@@ -4,6 +4,7 @@ import mlx.core as mx
 import pytest
 
 from kvcore.attention import batch_kv_attention, blockwise, kv_attention
+from kvcore.attention.config import AttentionConfig
 from kvcore.attention.rotated import in_rotated_basis, shared_rotation
 from kvcore.cache import BatchCompressedKVCache, CompressedKVCache
 from kvcore.cache.packed import PackedView
@@ -25,10 +26,10 @@ def close(a, b, tol=3e-5):
 
 @pytest.mark.parametrize("block", [None, 32], ids=["fused", "blockwise"])
 @pytest.mark.parametrize("head_dim,window,keep,recent,sinks", CASES)
-def test_rotated_basis_equals_plain_path(monkeypatch, head_dim, window, keep, recent, sinks, block):
-    monkeypatch.setattr(blockwise, "BLOCK", block)
+def test_rotated_basis_equals_plain_path(head_dim, window, keep, recent, sinks, block):
     mx.random.seed(7)
-    cache = CompressedKVCache(K4, V3, start=3, window=window, keep=keep, recent=recent)
+    cache = CompressedKVCache(K4, V3, start=3, window=window, keep=keep, recent=recent,
+                              attention=AttentionConfig(block=block))
     Hq, Hkv, rotated = 6, 2, 0
     sink = mx.random.normal((Hq,)) if sinks else None
     for N in (5, 1, 70, 1, 33, 1, 130, 1):
@@ -54,12 +55,12 @@ def test_rotated_basis_in_bfloat16_stays_within_rounding():
 
 
 @pytest.mark.parametrize("block", [None, 32], ids=["stacked-or-packed", "per-row"])
-def test_rotated_basis_over_batch_rows(monkeypatch, block):
+def test_rotated_basis_over_batch_rows(block):
     """Rows of different lengths and windows (a BatchKVView) and packed rows (a PackedView)."""
-    monkeypatch.setattr(blockwise, "BLOCK", block)
     mx.random.seed(9)
+    cfg = AttentionConfig(block=block)
     for windows in ((None, 64, 48), (None, None, None)):  # windows: row by row; none: packed rows
-        rows = [CompressedKVCache(K4, V3, start=0, window=w, keep=2 if w else 0) for w in windows]
+        rows = [CompressedKVCache(K4, V3, start=0, window=w, keep=2 if w else 0, attention=cfg) for w in windows]
         for r, n in zip(rows, (10, 50, 90)):
             r.update_and_fetch(mx.random.normal((1, 2, n, 64)), mx.random.normal((1, 2, n, 64)))
         batch = BatchCompressedKVCache(rows)

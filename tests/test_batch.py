@@ -11,7 +11,7 @@ from kvcore.attention import attention_context
 from kvcore.cache import BatchCompressedKVCache, CompressedKVCache
 from kvcore.codecs import CodecSpec
 from kvcore.engine import GenerateConfig, Request, generate_one
-from kvcore.engine.batch import BatchEngine
+from kvcore.engine import Engine
 from kvcore.errors import MlxkvError
 from kvcore.engine.prompts_file import load_prompts_file
 from kvcore.policy import KVOptions, build_caches, resolve_policy
@@ -30,7 +30,7 @@ def alone_and_batched(model, tok, reqs, opts, batch_size):
     cfg = GenerateConfig(prefill_chunk=CHUNK)
     with attention_context(model, required=policy.compresses):
         alone = [generate_one(model, tok, r, build_caches(model, policy)[0], cfg).token_ids for r in reqs]
-        engine = BatchEngine(model, tok, policy, batch_size, cfg)
+        engine = Engine(model, tok, policy, batch_size, cfg)
         batched = [c.token_ids for c in engine.run(reqs)]
     return alone, batched, engine
 
@@ -70,13 +70,14 @@ def test_margins_of_the_compared_runs(loaded):
 def test_rows_cross_the_start_at_their_own_position(loaded):
     model, tok, reqs = loaded("llama")
     policy = resolve_policy(KINDS["affine4-delayed"])
-    engine = BatchEngine(model, tok, policy, 4, GenerateConfig(prefill_chunk=CHUNK))
+    engine = Engine(model, tok, policy, 4, GenerateConfig(prefill_chunk=CHUNK))
     seen = {}
     orig = engine._decode_step
 
     def spy():
         if engine.caches is not None and engine.running:
-            rows = engine.caches[0].rows
+            c = engine.caches[0]
+            rows = c.rows if isinstance(c, BatchCompressedKVCache) else [c]  # a lone row keeps its own caches
             seen.setdefault("mixed", False)
             conv = [r.converted for r in rows]
             if any(conv) and not all(conv):
@@ -146,23 +147,6 @@ def test_left_padded_prefill_drops_padding(loaded):
         ref = model(mx.array([b]), cache=alone_caches)
     assert caches[0].rows[1].offset == len(b)
     assert mx.allclose(logits[1, -1], ref[0, -1], atol=1e-4).item()
-
-
-def test_a_row_that_can_never_fit_is_rejected(loaded):
-    model, tok, reqs = loaded("llama")
-    engine = BatchEngine(model, tok, resolve_policy(KVOptions()), 2, kv_budget=1000, row_bytes=lambda r: 2000)
-    with pytest.raises(MlxkvError, match="can never fit"):
-        engine.run(reqs)
-
-
-def test_rows_wait_for_budget(loaded):
-    model, tok, reqs = loaded("llama")
-    policy = resolve_policy(KVOptions())
-    engine = BatchEngine(model, tok, policy, 4, GenerateConfig(prefill_chunk=CHUNK), kv_budget=2500,
-                         row_bytes=lambda r: 1000)
-    out = engine.run(reqs)
-    assert max(len(t[1]) for t in engine.trace if t[0] == "decode") == 2  # budget, not batch size
-    assert [c.token_ids for c in out] == [c.token_ids for c in BatchEngine(model, tok, policy, 4).run(reqs)]
 
 
 @pytest.mark.parametrize("text,message", [
@@ -251,14 +235,14 @@ def test_engine_decodes_packed_rows(loaded):
     model, tok, reqs = loaded("qwen3")  # head_dim 64: per-token affine layout, packable
     opts = KINDS["affine8-start0"]
     policy = resolve_policy(opts)
-    engine = BatchEngine(model, tok, policy, 4, GenerateConfig(prefill_chunk=CHUNK))
+    engine = Engine(model, tok, policy, 4, GenerateConfig(prefill_chunk=CHUNK))
     seen = []
     orig = engine._decode_step
 
     def spy(*a, **k):
         orig(*a, **k)
         if engine.caches is not None:
-            seen.append(engine.caches[0].packed is not None)
+            seen.append(getattr(engine.caches[0], "packed", None) is not None)  # a lone row: its own cache
 
     engine._decode_step = spy
     with attention_context(model):

@@ -20,7 +20,7 @@ def test_generate_with_turbo_keys_and_values():
     assert r.exit_code == 0, r.output
     summary = json.loads(r.stdout.splitlines()[-1])
     assert summary["kv_policy"]["codec"] == "turbo:k8v6/r4" and summary["kv_policy"]["start"] == 0
-    assert summary["converted"] and summary["attention_path"] == "mlxkv-blockwise"
+    assert summary["converted"] and summary["attention_path"].startswith("mlxkv-")
     plan = summary["plan"][0]
     assert (plan["codec"], plan["bits"], plan["value"]["bits"], plan["recent"]) == ("turbo", 8, 6, 4)
 

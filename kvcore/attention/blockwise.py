@@ -1,7 +1,7 @@
 """Portable attention over a KVView, on every MLX backend (pure MLX ops).
 
 Two paths, chosen by size:
-- fused: when one layer's decoded K/V is small (FUSED_BYTES), decode every segment and make
+- fused: when one layer's decoded K/V is small (`AttentionConfig.fused_bytes`), decode every segment and make
   one `mx.fast.scaled_dot_product_attention` call with a positional mask (the fused kernel
   does not materialize the score matrix);
 - blockwise: otherwise, blocks of the KV length are decoded, scored and merged into running
@@ -15,11 +15,18 @@ import mlx.core as mx
 
 from ..cache.view import ENCODED, SHADOW, KVView
 from . import cuda_decode, qmm
+from .config import DEFAULT, AttentionConfig, AttentionStats
 
-FUSED_BYTES = 256 * 2**20  # decoded K+V (or scores) of one call above which we go blockwise
-BLOCK_BYTES = 64 * 2**20  # per block of the blockwise path
-BLOCK: int | None = None  # tokens per block; None: from BLOCK_BYTES
 NEG = -1e30
+
+
+def _setup(view, config: AttentionConfig | None) -> tuple[AttentionConfig, AttentionStats | None]:
+    return (config or getattr(view, "config", None) or DEFAULT), getattr(view, "stats", None)
+
+
+def _count(stats: AttentionStats | None, path: str) -> None:
+    if stats is not None:
+        stats.record(path)
 
 
 def _mask(view: KVView):
@@ -47,23 +54,30 @@ def _sizes(q, view: KVView) -> tuple[int, int]:
     return kv, B * Hq * N * 4
 
 
-def kv_attention(q: mx.array, view: KVView, scale: float, sinks: mx.array | None = None) -> mx.array:
-    """q: (B, Hq, N, D) -> (B, Hq, N, Dv), attending over the view's stored tokens."""
+def kv_attention(q: mx.array, view: KVView, scale: float, sinks: mx.array | None = None,
+                 config: AttentionConfig | None = None) -> mx.array:
+    """q: (B, Hq, N, D) -> (B, Hq, N, Dv), attending over the view's stored tokens; `config`
+    (default: the one the view carries) picks the path."""
+    cfg, stats = _setup(view, config)
     kv, sc = _sizes(q, view)
     T = view.shape[2]
     segs = view.segments
-    if (BLOCK is None and sinks is None and len(segs) == 1 and segs[0].kind == ENCODED and view.window is None
+    one_encoded = cfg.accelerated and len(segs) == 1 and segs[0].kind == ENCODED and view.window is None
+    if (one_encoded and sinks is None and cfg.cuda_kernel
             and cuda_decode.applies(q, segs[0].key_codec, segs[0].value_codec) and cuda_decode.ready()):
+        _count(stats, "cuda-kernel")
         return cuda_decode.decode_attention(q, segs[0].keys, segs[0].values, segs[0].key_codec,
                                             mx.array([segs[0].length] * q.shape[0]), scale)
-    if (BLOCK is None and len(segs) == 1 and segs[0].kind == ENCODED and view.window is None
-            and qmm.applies(q, segs[0].key_codec, segs[0].value_codec, False)):
+    if one_encoded and cfg.qmm and qmm.applies(q, segs[0].key_codec, segs[0].value_codec, False):
+        _count(stats, "qmm")
         mask = None if view.n_queries == 1 else segs[0].visible(view.q_positions, 0, segs[0].length, None, 0)
         return qmm.qmm_attention(q, segs[0].keys, segs[0].values, segs[0].key_codec, segs[0].value_codec,
                                  scale, mask, sinks)
-    if BLOCK is None and T * kv <= FUSED_BYTES:
+    if cfg.block is None and T * kv <= cfg.fused_bytes:
+        _count(stats, "fused")
         return _fused(q, view, scale, sinks)
-    block = BLOCK or max(256, BLOCK_BYTES // max(kv, sc) // 128 * 128)
+    _count(stats, "blockwise")
+    block = cfg.block or max(256, cfg.block_bytes // max(kv, sc) // 128 * 128)
     return _blockwise(q, view, scale, sinks, block)
 
 
@@ -109,22 +123,30 @@ def online_softmax(q: mx.array, blocks, Hkv: int, Dv: int, scale: float, sinks) 
     return out.reshape(B, Hq, N, Dv).astype(q.dtype)
 
 
-def packed_attention(q: mx.array, view, scale: float, sinks: mx.array | None = None) -> mx.array:
+def packed_attention(q: mx.array, view, scale: float, sinks: mx.array | None = None,
+                     config: AttentionConfig | None = None) -> mx.array:
     """q: (B, Hq, N, D) over a PackedView: every row in one call, masked by its own length."""
+    cfg, stats = _setup(view, config)
     B = q.shape[0]
     kv, _ = _sizes(q[:1], view)
     L = view.length
-    if (BLOCK is None and sinks is None and cuda_decode.applies(q, view.key_codec, view.value_codec)
-            and cuda_decode.ready()):
+    if (cfg.accelerated and sinks is None and cfg.cuda_kernel
+            and cuda_decode.applies(q, view.key_codec, view.value_codec) and cuda_decode.ready()):
+        _count(stats, "cuda-kernel")
         return cuda_decode.decode_attention(q, view.key_parts, view.value_parts, view.key_codec,
                                             view.q_start + view.n_queries, scale)
-    if BLOCK is None and qmm.applies(q, view.key_codec, view.value_codec, False):
+    if cfg.accelerated and cfg.qmm and qmm.applies(q, view.key_codec, view.value_codec, False):
+        _count(stats, "qmm")
         parts = (tuple(p[:, :, :L] for p in view.key_parts), tuple(p[:, :, :L] for p in view.value_parts))
         return qmm.qmm_attention(q, *parts, view.key_codec, view.value_codec, scale, view.visible(0, L), sinks)
-    if BLOCK is None and B * L * kv <= 4 * FUSED_BYTES:
+    if cfg.block is None and B * L * kv <= 4 * cfg.fused_bytes:
+        _count(stats, "fused")
         k, v = view.dense(0, L, q.dtype)
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=view.visible(0, L), sinks=sinks)
-    block = BLOCK or max(256, BLOCK_BYTES // (B * kv) // 128 * 128)
+        # rows of one length need no array mask (which would cost the fused kernel on CUDA)
+        mask = (None if view.n_queries == 1 else "causal") if view.uniform else view.visible(0, L)
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
+    _count(stats, "blockwise")
+    block = cfg.block or max(256, cfg.block_bytes // (B * kv) // 128 * 128)
     blocks = ((*view.dense(lo, min(lo + block, L), q.dtype), view.visible(lo, min(lo + block, L)))
               for lo in range(0, L, block))
     return online_softmax(q, blocks, view.heads, view.value_dim, scale, sinks)
@@ -178,12 +200,16 @@ def _stacked_decode(q: mx.array, view, scale: float, sinks) -> mx.array:
     )
 
 
-def batch_kv_attention(q: mx.array, view, scale: float, sinks: mx.array | None = None) -> mx.array:
+def batch_kv_attention(q: mx.array, view, scale: float, sinks: mx.array | None = None,
+                       config: AttentionConfig | None = None) -> mx.array:
     """q: (B, Hq, N, D) over a BatchKVView: each row attends over its own stored tokens."""
     B, Hq, N, _ = q.shape
-    if N == 1 and B > 1 and BLOCK is None and all(v is not None for v in view.rows):
+    first = next(v for v in view.rows if v is not None)
+    cfg, stats = _setup(first, config)
+    if N == 1 and B > 1 and cfg.block is None and all(v is not None for v in view.rows):
         kv, _ = _sizes(q[:1], view.rows[0])
-        if B * max(v.shape[2] for v in view.rows) * kv <= 4 * FUSED_BYTES:
+        if B * max(v.shape[2] for v in view.rows) * kv <= 4 * cfg.fused_bytes:
+            _count(stats, "stacked")
             return _stacked_decode(q, view, scale, sinks)
     Dv = next(v.value_dim for v in view.rows if v is not None)
     outs = []
@@ -191,7 +217,7 @@ def batch_kv_attention(q: mx.array, view, scale: float, sinks: mx.array | None =
         if v is None:
             outs.append(mx.zeros((1, Hq, N, Dv), dtype=q.dtype))
             continue
-        o = kv_attention(q[b : b + 1, :, skip:], v, scale, sinks)
+        o = kv_attention(q[b : b + 1, :, skip:], v, scale, sinks, config)
         if skip:
             o = mx.concatenate([mx.zeros((1, Hq, skip, Dv), dtype=o.dtype), o], axis=2)
         outs.append(o)

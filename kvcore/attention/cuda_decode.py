@@ -4,15 +4,14 @@ An accelerator beside the portable path, for a few queries over per-token affine
 bits in {2, 4, 8}: each thread block takes one (split of the KV length, KV head, row),
 dequantizes its keys and values in registers, and writes a partial softmax (max, sum,
 weighted values) per query head; the splits are merged with MLX ops (flash decoding).
-Selected at run time: only on CUDA, only when MLXKV_CUDA_DECODE=1 (opt-in until its
+Selected at run time: only on CUDA, only when the caches' AttentionConfig has `cuda_kernel`
+(MLXKV_CUDA_DECODE=1 sets its default; opt-in until its
 speed is confirmed on the H200: the first version there was correct but recompiled as the
 context grew), and only after a self-check against the portable path on the device has
 passed; any failure disables it and the portable path runs.
 """
 
 from __future__ import annotations
-
-import os
 
 import mlx.core as mx
 
@@ -22,7 +21,6 @@ from ..codecs.affine import AffineCodec
 SPLIT = 256  # tokens per thread block
 THREADS = 128
 _STATE = {"kernel": None, "ok": None, "why": None}
-ENABLED = os.environ.get("MLXKV_CUDA_DECODE") == "1"
 
 _SOURCE = r"""
     // grid: (splits * THREADS, Hkv, B); one block per (split, kv head, row)
@@ -96,7 +94,7 @@ _SOURCE = r"""
 
 
 def applies(q: mx.array, key_codec, value_codec) -> bool:
-    if not ENABLED or backend_name() != "cuda" or _STATE["ok"] is False or q.shape[2] != 1:
+    if backend_name() != "cuda" or _STATE["ok"] is False or q.shape[2] != 1:
         return False
     for c in (key_codec, value_codec):
         if type(c) is not AffineCodec or c.layout != "channel" or c.bits not in (2, 4, 8):

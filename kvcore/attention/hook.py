@@ -1,79 +1,87 @@
-"""Route a model's attention through kvcore while a run lasts.
+"""Route a model's attention through kvcore whenever it is handed mlxkv's caches.
 
-mlx-lm model files import `scaled_dot_product_attention` from `mlx_lm.models.base`; this
-context manager rebinds that name in the modules a loaded model's classes live in, and
-restores it on exit (contexts nest: a draft and a target model can both be inside one).
-Dense keys go to mlx-lm's own function unchanged; a KVView goes to the portable blockwise
-path (in a rotation codec's basis where the layer's codecs share one, see `rotated.py`).
+mlx-lm has no attention hook: its model files import `scaled_dot_product_attention` from
+`mlx_lm.models.base`, which switches on `cache.bits`. So the name is rebound, once and for
+good, in `mlx_lm.models.base` (modules imported later pick it up) and in every model module
+already imported (`install`, run whenever an mlxkv cache is built; idempotent and cheap), and
+in the modules of a given model's classes (`bind`, for models defined outside mlx-lm).
+Dense keys go to mlx-lm's own function unchanged, so models with mlx-lm's caches behave as
+before; a view of an mlxkv cache goes to the portable path, with the config it carries, and
+its cache set's counters count the call. No context manager is needed.
 """
 
 from __future__ import annotations
 
 import sys
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import mlx.nn as nn
 from mlx_lm.models import base as mlx_base
 
+from ..cache.packed import PackedView
 from ..cache.view import BatchKVView, KVView
 from ..errors import MlxkvError
-from ..cache.packed import PackedView
 from .blockwise import batch_kv_attention, kv_attention, packed_attention
+from .config import AttentionStats
 from .rotated import in_rotated_basis
 
 _ORIGINAL = mlx_base.scaled_dot_product_attention
-_ACTIVE: list["AttentionStats"] = []  # innermost context last
-_REFS: dict[str, int] = {}  # module name -> contexts that patched it
-
-
-@dataclass
-class AttentionStats:
-    compressed_calls: int = 0
-    dense_calls: int = 0
-
-    @property
-    def path(self) -> str:
-        return "mlxkv-blockwise" if self.compressed_calls else "mlx-fast-sdpa"
+_VIEWS = ((KVView, kv_attention), (PackedView, packed_attention), (BatchKVView, batch_kv_attention))
+_SEEN = {"modules": -1}
 
 
 def _sdpa(queries, keys, values, cache, scale, mask, sinks=None):
-    stats = _ACTIVE[-1] if _ACTIVE else AttentionStats()
-    for kind, attend in ((KVView, kv_attention), (PackedView, packed_attention), (BatchKVView, batch_kv_attention)):
+    for kind, attend in _VIEWS:
         if isinstance(keys, kind):
-            stats.compressed_calls += 1
             return in_rotated_basis(attend, queries, keys, scale, sinks)
-    stats.dense_calls += 1
+    stats = getattr(cache, "stats", None)
+    if isinstance(stats, AttentionStats):
+        stats.dense_calls += 1
     return _ORIGINAL(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
 
 
-def _attending_modules(model: nn.Module) -> list[str]:
-    names = {type(m).__module__ for _, m in model.named_modules()}
-    return [
-        n for n in sorted(names)
-        if getattr(sys.modules.get(n), "scaled_dot_product_attention", None) in (_ORIGINAL, _sdpa)
-    ]
+def _patch(name: str) -> bool:
+    mod = sys.modules.get(name)
+    attr = getattr(mod, "scaled_dot_product_attention", None) if mod is not None else None
+    if attr is _ORIGINAL:
+        mod.scaled_dot_product_attention = _sdpa
+    return attr in (_ORIGINAL, _sdpa)
 
 
-@contextmanager
-def attention_context(model: nn.Module, required: bool = True):
-    """Patch the model's attention for the duration of the block; yields AttentionStats."""
-    names = _attending_modules(model)
-    if required and not names:
+def install() -> None:
+    """Rebind the name in mlx-lm's base and in every imported mlx-lm model module (idempotent)."""
+    if _SEEN["modules"] == len(sys.modules):
+        return
+    for name in [n for n in list(sys.modules) if n.startswith("mlx_lm.models.")]:
+        _patch(name)
+    _SEEN["modules"] = len(sys.modules)
+
+
+def bind(model: nn.Module, required: bool = True) -> list[str]:
+    """Install, and rebind the name in the modules the model's classes live in; returns them.
+    With `required`, a model that does not attend through mlx-lm's function is a one-line error."""
+    install()
+    names = sorted({type(m).__module__ for _, m in model.named_modules()})
+    attending = [n for n in names if _patch(n)]
+    if required and not attending:
         raise MlxkvError(
             f"model class {type(model).__module__} does not attend through "
             "mlx_lm.models.base.scaled_dot_product_attention; compressed KV is not supported for it"
         )
-    stats = AttentionStats()
-    for n in names:
-        _REFS[n] = _REFS.get(n, 0) + 1
-        sys.modules[n].scaled_dot_product_attention = _sdpa
-    _ACTIVE.append(stats)
-    try:
-        yield stats
-    finally:
-        _ACTIVE.remove(stats)
-        for n in names:
-            _REFS[n] -= 1
-            if not _REFS[n]:
-                sys.modules[n].scaled_dot_product_attention = _ORIGINAL
+    return attending
+
+
+def attention_stats(caches: list) -> AttentionStats:
+    """The counters of the cache set `caches` (empty ones when it holds no mlxkv cache)."""
+    for c in caches:
+        stats = getattr(c, "stats", None)
+        if isinstance(stats, AttentionStats):
+            return stats
+    return AttentionStats()
+
+
+@contextmanager
+def attention_context(model: nn.Module, required: bool = True):
+    """Kept for callers of earlier versions: binds the model (no longer needed) and yields nothing."""
+    bind(model, required)
+    yield None

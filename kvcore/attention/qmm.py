@@ -15,7 +15,6 @@ from ..backend import backend_name
 from ..codecs.affine import AffineCodec
 
 MAX_QUERIES = 8  # decode and short verify steps; prefill goes through the fused/blockwise path
-ENABLED = True
 
 
 def _affine_channel(codec) -> bool:
@@ -23,7 +22,7 @@ def _affine_channel(codec) -> bool:
 
 
 def applies(q: mx.array, key_codec, value_codec, has_mask_rules: bool) -> bool:
-    return (ENABLED and q.shape[2] <= MAX_QUERIES and not has_mask_rules and backend_name() != "cuda"
+    return (q.shape[2] <= MAX_QUERIES and not has_mask_rules and backend_name() != "cuda"
             and _affine_channel(key_codec) and _affine_channel(value_codec))
 
 

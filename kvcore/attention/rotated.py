@@ -20,8 +20,7 @@ import mlx.core as mx
 
 from ..cache.packed import PackedView
 from ..cache.view import ENCODED, BatchKVView, KVView
-
-ENABLED = True
+from .config import DEFAULT
 
 
 def _rotation(codec):
@@ -39,8 +38,10 @@ def _view_rotations(view: KVView) -> list:
 
 
 def shared_rotation(view):
-    """The one rotation every encoded segment of `view` shares (None: attend as usual)."""
-    if not ENABLED:
+    """The one rotation every encoded segment of `view` shares (None: attend as usual, also when
+    the view's attention config turns the rotated basis off)."""
+    first = view.rows[0] if isinstance(view, BatchKVView) and view.rows and view.rows[0] is not None else view
+    if not getattr(first, "config", DEFAULT).rotated:
         return None
     if isinstance(view, PackedView):
         return _codec_rotation(view.key_codec, view.value_codec)

@@ -14,9 +14,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ..attention import attention_context
 from ..engine import GenerateConfig, Request
-from ..engine.batch import BatchEngine
+from ..engine import Engine
 from ..policy import KVPolicy
 
 
@@ -46,13 +45,12 @@ def step_weight_bytes(model: nn.Module) -> int:
 
 def measure_mlxkv(model, policy: KVPolicy, prompts: list[list[int]], gen: int, prefill_chunk: int = 2048) -> dict:
     reqs = [Request(tuple(p), gen, str(i)) for i, p in enumerate(prompts)]
-    engine = BatchEngine(model, None, policy, len(prompts), GenerateConfig(prefill_chunk=prefill_chunk),
-                         interleave=False)
+    engine = Engine(model, None, policy, len(prompts), GenerateConfig(prefill_chunk=prefill_chunk),
+                    interleave=False)
     mx.synchronize()
     mx.reset_peak_memory()
     t0 = time.perf_counter()
-    with attention_context(model, required=policy.compresses) as stats:
-        out = engine.run(reqs)
+    out = engine.run(reqs)
     mx.synchronize()
     wall = time.perf_counter() - t0
     prefill = sum(c.prompt_time for c in out)
@@ -63,7 +61,7 @@ def measure_mlxkv(model, policy: KVPolicy, prompts: list[list[int]], gen: int, p
         "decode_tps": engine.decoded / decode_time if decode_time else 0.0,
         "decode_tps_per_row": steps / decode_time if decode_time else 0.0,
         "peak_memory_gb": mx.get_peak_memory() / 1e9, "kv_bytes": kv.get("kv_bytes"),
-        "bits_per_element": kv.get("bits_per_element"), "wall_s": wall, "attention_path": stats.path,
+        "bits_per_element": kv.get("bits_per_element"), "wall_s": wall, "attention_path": engine.attention_stats.path,
         "tokens": sum(len(c.token_ids) for c in out), "decode_steps": steps,
     }
 

@@ -21,6 +21,8 @@ import json
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
 
+from ..attention.config import DEFAULT as DEFAULT_ATTENTION
+from ..attention.config import AttentionConfig, AttentionStats
 from ..codecs import CodecSpec, make_codec
 from .buffer import Buffer
 from .view import DENSE, ENCODED, SHADOW, KVView, Segment
@@ -43,7 +45,12 @@ class CompressedKVCache(_BaseCache):
         keep: int = 0,
         spare: int = 0,
         recent: int = 0,
+        attention: AttentionConfig = DEFAULT_ATTENTION,
+        stats: AttentionStats | None = None,
     ):
+        from ..attention.hook import install
+
+        install()  # models attend through kvcore whenever they are handed these caches
         if window is not None and keep >= window:
             raise ValueError(f"keep ({keep}) must be smaller than the window ({window})")
         self.key_spec = key_spec
@@ -62,6 +69,8 @@ class CompressedKVCache(_BaseCache):
         self.enc_start = self.tail_start = self.keep
         self._dims = None  # (B, H, D, Dv, dtype)
         self._fresh = None  # dense (k, v, position) of the blocks the last update encoded
+        self.attention = attention  # how attention reads this cache (carried by its views)
+        self.stats = stats if stats is not None else AttentionStats()  # shared by one cache set
 
     # -- layout -------------------------------------------------------------
     @property
@@ -168,7 +177,7 @@ class CompressedKVCache(_BaseCache):
         if self.tail.n:
             k, v = self.tail.get()
             segs.append(Segment(DENSE, k, v, self.tail_start, self.tail.n))
-        return KVView(segs, q_start, N, self.window, self.keep, B, H, D, Dv)
+        return KVView(segs, q_start, N, self.window, self.keep, B, H, D, Dv, self.attention, self.stats)
 
     def _split_enc(self):
         parts = self.enc.get()
@@ -219,8 +228,9 @@ class CompressedKVCache(_BaseCache):
         """Reset to the (validated) layout `m`; the arrays come through `state` (before or after)."""
         spec = lambda d: CodecSpec(d["codec"], d["bits"], d["group_size"])  # noqa: E731
         loaded = getattr(self, "_loaded", None)
+        attention, stats = getattr(self, "attention", DEFAULT_ATTENTION), getattr(self, "stats", None)
         self.__init__(spec(m["key"]), spec(m["value"]), m["start"] or 0, m["window"], m["keep"],
-                      recent=m.get("recent", 0))
+                      recent=m.get("recent", 0), attention=attention, stats=stats)
         self.offset, self.converted = m["offset"], m["converted"]
         self.enc_start, self.tail_start = m["enc_start"], m["tail_start"]
         if m["dims"] is not None:

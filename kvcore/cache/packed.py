@@ -15,8 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import copy
+
 import mlx.core as mx
 
+from .buffer import Buffer
 from .compressed import CompressedKVCache
 
 STEP = 256
@@ -50,6 +53,9 @@ class PackedView:
     head_dim: int
     value_dim: int
     rotation: object = None  # set: dense() returns R k, R v (attention in a rotation codec's basis)
+    uniform: bool = False  # every row holds the same number of tokens: no mask needed
+    config: object = None  # the rows' AttentionConfig
+    stats: object = None  # the cache set's AttentionStats
 
     @property
     def shape(self):
@@ -73,7 +79,11 @@ class PackedView:
 
 class PackedRows:
     def __init__(self, template: CompressedKVCache, parts: tuple, lengths: list[int]):
-        self.template = template  # a row whose specs, codecs and dims every row shares
+        # a row's settings (specs, codecs, dims) that every row shares, without its buffers
+        # (holding them would keep that row's own copy of its tokens alive beside the packed one)
+        template = copy.copy(template)
+        template.sink, template.enc, template.tail, template._fresh = Buffer(), Buffer(), Buffer(), None
+        self.template = template
         self.parts = parts
         self.lengths = lengths
 
@@ -98,7 +108,7 @@ class PackedRows:
         rows = []
         for b, n in enumerate(self.lengths):
             t = self.template
-            row = CompressedKVCache(t.key_spec, t.value_spec, t.start or 0)
+            row = CompressedKVCache(t.key_spec, t.value_spec, t.start or 0, attention=t.attention, stats=t.stats)
             row._dims = (1, *t._dims[1:])
             row.key_codec, row.value_codec = t.key_codec, t.value_codec
             row.offset, row.converted = n, t.converted
@@ -136,7 +146,8 @@ class PackedRows:
         nk = getattr(t, "_n_key_parts", 1) if t.key_codec is not None else 1
         L = max(self.lengths)
         return PackedView(tuple(p for p in self.parts[:nk]), tuple(p for p in self.parts[nk:]),
-                          t.key_codec, t.value_codec, q_start, N, L, H, D, values.shape[-1])
+                          t.key_codec, t.value_codec, q_start, N, L, H, D, values.shape[-1],
+                          uniform=len(set(self.lengths)) == 1, config=t.attention, stats=t.stats)
 
     # -- batch protocol -----------------------------------------------------
     def filter(self, idx: list[int]) -> None:

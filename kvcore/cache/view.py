@@ -84,6 +84,8 @@ class KVView:
     heads: int
     head_dim: int
     value_dim: int
+    config: Any = None  # the cache's AttentionConfig (None: the default)
+    stats: Any = None  # the cache set's AttentionStats
 
     @property
     def shape(self) -> tuple[int, int, int, int]:

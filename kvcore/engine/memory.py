@@ -1,43 +1,55 @@
-"""Admission memory: what a row's KV will cost at its final compressed size, and the budget."""
+"""Admission memory: the KV budget, and what a batch of rows needs under it (the byte model)."""
 
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
 
-from ..codecs import CodecSpec, make_codec
+from ..cache.bytes import KVByteModel
 
-
-def _bytes_per_element(spec: CodecSpec, dtype_size: int, head_dim: int) -> float:
-    if not spec.compresses:
-        return dtype_size
-    return make_codec(spec, head_dim).bytes_per_token(1) / head_dim
-
-
-def row_kv_bytes(config: dict, plans: list, tokens: int, dtype_size: int = 2) -> int:
-    """KV bytes of one row holding `tokens` tokens under the per-layer plan."""
-    cfg = config.get("text_config", config)
-    heads = cfg.get("num_attention_heads", 1)
-    kv_heads = cfg.get("num_key_value_heads") or heads
-    head_dim = cfg.get("head_dim") or cfg.get("hidden_size", 0) // max(heads, 1)
-    total = 0.0
-    for p in plans:
-        if p.kind == "other":
-            continue
-        t = min(tokens, p.window) if p.window else tokens
-        dense = min(t, p.recent)  # the newest tokens stay full precision
-        per_element = sum(_bytes_per_element(s, dtype_size, head_dim) for s in (p.codec, p.values)) / 2
-        total += ((t - dense) * per_element + dense * dtype_size) * kv_heads * head_dim * 2
-    return int(total)
+# beyond weights and KV, a run holds one prefill chunk's activations and one layer's attention
+# scratch at a time; the default budget leaves this much of the working set to them
+TRANSIENT_SHARE = 0.10
+TRANSIENT_MIN = 256 * 2**20
 
 
-def default_kv_budget() -> int:
-    """The GPU's recommended working set, or half of RAM on CPU."""
+def working_set() -> int:
+    """The GPU's recommended working set (Metal), 90% of its memory (CUDA), or half of RAM (CPU)."""
     if mx.default_device() != mx.cpu:
         info = mx.device_info()
         if "max_recommended_working_set_size" in info:  # Metal
             return int(info["max_recommended_working_set_size"])
         total = info.get("memory_size") or info.get("total_memory") or 0  # CUDA reports total_memory
-        return int(int(total) * 0.8)
+        return int(int(total) * 0.9)
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2)
+
+
+def model_bytes(model: nn.Module) -> int:
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+def transient_bytes(total: int) -> int:
+    """The named transient: activations of a prefill chunk and one layer's scratch."""
+    return max(TRANSIENT_MIN, int(total * TRANSIENT_SHARE))
+
+
+def default_kv_budget(weights: int = 0) -> int:
+    """KV gets the working set less the weights and the named transient (never below 0)."""
+    total = working_set()
+    return max(0, total - weights - transient_bytes(total))
+
+
+def dtype_size(model: nn.Module) -> int:
+    """Bytes of one full-precision KV element: the model's floating-point parameter dtype."""
+    return next((p.dtype.size for _, p in tree_flatten(model.parameters())
+                 if mx.issubdtype(p.dtype, mx.floating)), 2)
+
+
+def batch_need(config: dict, plans: list, model: nn.Module, policy, chunk: int = 512) -> Callable[[list[int]], int]:
+    """lengths (final tokens per row) -> bytes the batch's caches may take (byte model)."""
+    model_ = KVByteModel(config, plans, dtype_size(model), policy.rollback or 0, mlxkv=policy.active, chunk=chunk)
+    return model_.batch_need

@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
+from ..attention.config import DEFAULT as DEFAULT_ATTENTION
+from ..attention.config import AttentionConfig, AttentionStats
+from ..attention.hook import bind
 from ..cache import CompressedKVCache
 from ..codecs import BITS, FULL, GROUPS, CodecSpec, codec_names, make_codec
 from ..errors import MlxkvError
@@ -168,7 +171,8 @@ def plan_layers(model: nn.Module, policy: KVPolicy) -> list[LayerPlan]:
     return plans
 
 
-def build_caches(model: nn.Module, policy: KVPolicy) -> tuple[list, list[LayerPlan]]:
+def build_caches(model: nn.Module, policy: KVPolicy, attention: AttentionConfig = DEFAULT_ATTENTION,
+                 stats: AttentionStats | None = None) -> tuple[list, list[LayerPlan]]:
     """The model's cache list under `policy`, and the per-layer plan it follows.
 
     With nothing to compress and no window, mlx-lm's own caches are returned unchanged.
@@ -176,16 +180,21 @@ def build_caches(model: nn.Module, policy: KVPolicy) -> tuple[list, list[LayerPl
     masks and layouts agree across layers of one kind. With `policy.rollback` set (speculative
     decoding), mlxkv caches are used even when nothing is compressed (rollback is row-local)
     and windows keep that many spare tokens, so rollback after several updates stays possible.
+    The mlxkv caches share one `AttentionStats` (`stats`, or a new one) and carry `attention`; the model is bound to
+    kvcore's attention (a model that cannot attend through it is a one-line error).
     """
     template = _template(model)
     plans = plan_layers(model, policy)
     if not policy.active:
         return template, plans
+    bind(model)
+    stats = stats if stats is not None else AttentionStats()
     caches = []
     for c, p in zip(template, plans):
         if p.kind == "other":
             caches.append(c)
         else:
             caches.append(CompressedKVCache(p.codec, p.value_codec, start=p.start or 0, window=p.window, keep=p.keep,
-                                            spare=policy.rollback or 0, recent=p.recent))
+                                            spare=policy.rollback or 0, recent=p.recent, attention=attention,
+                                            stats=stats))
     return caches, plans

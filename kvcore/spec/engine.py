@@ -1,5 +1,5 @@
-"""Speculative decoding over continuous batching: BatchEngine's admission, prefill, stops
-and budget, with a speculative round in place of its decode step.
+"""Speculative decoding as the Engine's decode step: the Engine's admission, prefill, stops
+and budget, with a speculative round in place of the plain step.
 
 One round, every running row at once:
   1. caps: at most k drafts, fewer near max_tokens or before a conversion start;
@@ -7,7 +7,7 @@ One round, every running row at once:
   3. ONE target pass verifies [pending, drafts...] per row, right-padded to the longest;
   4. each row keeps its accepted prefix plus one target token (accept.py);
   5. each row's target and draft caches roll back by its own rejected count (rows.py);
-  6. the tokens are emitted; a row may finish on any of them.
+  6. the tokens are handed to the rows; a row may finish on any of them.
 
 Conversion at the start: a row's verified tokens never reach its quantization start unless
 the row's pending token already stands at it (cap = start - 1 - position). A conversion
@@ -20,12 +20,10 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-import mlx.core as mx
 import mlx.nn as nn
 
-from ..engine.batch import BatchEngine
-from ..engine.generate import Completion, GenerateConfig, Request
-from ..engine.stats import kv_summary
+from ..engine.engine import Engine, GenerateConfig
+from ..engine.sequence import TokenEvent
 from ..errors import MlxkvError
 from ..policy import KVPolicy
 from .accept import Verdict, accept_greedy, accept_sampled, sampling_probs
@@ -34,76 +32,83 @@ from .rows import Checkpoint, check_caches, feed, next_starts, pad, rollback
 from .stats import SpecStats
 
 
-class SpecEngine(BatchEngine):
-    def __init__(self, model: nn.Module, tokenizer, policy: KVPolicy, draft: DraftProvider,
-                 num_draft: int = 4, batch_size: int = 8, config: GenerateConfig = GenerateConfig(), **kwargs):
+class SpeculativeDecode:
+    merge_single = True  # rollback is row-local on batch caches, from the first row on
+
+    def __init__(self, draft: DraftProvider, num_draft: int = 4):
         if num_draft < 1:
             raise MlxkvError(f"--num-draft-tokens must be >= 1, got {num_draft}")
-        # mlxkv caches on every layer, so rollback is row-local; no spare window slots: the
-        # target only ever rolls back within its last update
-        super().__init__(model, tokenizer, replace(policy, rollback=0), batch_size, config, **kwargs)
         self.draft, self.k = draft, num_draft
         self.stats = SpecStats(num_draft)
 
-    def run(self, requests: list[Request]) -> list[Completion]:
+    def policy(self, policy: KVPolicy) -> KVPolicy:
+        # mlxkv caches on every layer, so rollback is row-local; no spare window slots: the
+        # target only ever rolls back within its last update
+        return replace(policy, rollback=0)
+
+    def reset(self) -> None:
         self.draft.reset(self.k)
         self.stats = SpecStats(self.k)
-        return super().run(requests)
 
     # -- rows join and leave the draft provider with the batch ------------------
-    def _join(self, row) -> None:
-        super()._join(row)
-        if self.running and self.running[-1] is row:
-            check_caches(self.caches)
-            self.draft.add_row(list(row.request.prompt_ids) + row.out.token_ids)
+    def before_change(self, engine) -> list[TokenEvent]:
+        return []
 
-    def _drop_finished(self) -> None:
-        keep = [i for i, r in enumerate(self.running) if not r.out.finish_reason]
-        if len(keep) != len(self.running):
-            self.draft.filter(keep)
-        super()._drop_finished()
+    def joined(self, engine, seq) -> None:
+        check_caches(engine.caches)
+        self.draft.add_row(seq.context)
+
+    def filtered(self, engine, keep: list[int]) -> None:
+        self.draft.filter(keep)
 
     # -- a round ------------------------------------------------------------------
-    def _caps(self, contexts: list[list[int]]) -> list[int]:
+    def _caps(self, rows, contexts: list[list[int]], caches) -> list[int]:
         caps = []
-        for row, ctx, s in zip(self.running, contexts, next_starts(self.caches)):
+        for row, ctx, s in zip(rows, contexts, next_starts(caches)):
             pos = len(ctx) - 1  # the pending token's position
-            k = min(self.k, row.request.max_tokens - len(row.out.token_ids) - 1)
+            k = min(self.k, row.remaining - 1)
             if s is not None and s > pos:
                 k = min(k, s - 1 - pos)  # verified positions stay before the start
             caps.append(max(k, 0))
         return caps
 
-    def _verify(self, logits: mx.array, drafts: list[list[int]], probs) -> Verdict:
-        sampling = self.config.sampling
+    def _verify(self, engine, logits, drafts, probs) -> Verdict:
+        sampling = engine.config.sampling
         if sampling.temp == 0:
             return accept_greedy(logits, drafts)
         return accept_sampled(sampling_probs(sampling, logits), drafts, probs)
 
-    def _decode_step(self, pipeline: bool = True) -> None:
+    def step(self, engine) -> list[TokenEvent]:
         """One speculative round for every running row."""
         t0 = time.perf_counter()
-        rows = list(self.running)
-        contexts = [list(r.request.prompt_ids) + r.out.token_ids for r in rows]
-        caps = self._caps(contexts)
+        rows = list(engine.running)
+        caches = engine.caches
+        contexts = [r.context for r in rows]
+        caps = self._caps(rows, contexts, caches)
         proposal = self.draft.propose(contexts, caps)
         drafts = [list(t[:k]) for t, k in zip(proposal.tokens, caps)]
         fed = [[ctx[-1]] + d for ctx, d in zip(contexts, drafts)]
-        ckpt = Checkpoint.take(self.caches)
+        ckpt = Checkpoint.take(caches)
         tokens, lengths = pad(fed)
-        logits = feed(self.model, self.caches, tokens, lengths)  # (B, K, V)
-        verdict = self._verify(logits, drafts, proposal.probs)
-        self.stats.replays += rollback(self.model, self.caches, fed, [a + 1 for a in verdict.accepted], ckpt)
+        logits = feed(engine.model, caches, tokens, lengths)  # (B, K, V)
+        verdict = self._verify(engine, logits, drafts, proposal.probs)
+        self.stats.replays += rollback(engine.model, caches, fed, [a + 1 for a in verdict.accepted], ckpt)
         self.draft.accept(verdict.accepted)
         self.stats.record([len(d) for d in drafts], verdict.accepted, tokens.shape[1])
-        self.decode_time += time.perf_counter() - t0
-        self.trace.append(("decode", tuple(r.request.id for r in rows)))
+        engine.decode_time += time.perf_counter() - t0
+        engine.trace.append(("decode", tuple(r.id for r in rows)))
+        events = []
         for row, toks in zip(rows, verdict.tokens):
             for t in toks:
-                self.decoded += 1
-                self._emit(row, t)
-                if row.out.finish_reason:
+                engine.decoded += 1
+                events.append(row.append(t))
+                if row.finished:
                     break
-        kv = kv_summary(self.caches)
-        if kv["kv_bytes"] >= self.peak_kv.get("kv_bytes", 0):
-            self.peak_kv = kv
+        return events
+
+
+def SpecEngine(model: nn.Module, tokenizer, policy: KVPolicy, draft: DraftProvider, num_draft: int = 4,
+               batch_size: int = 8, config: GenerateConfig = GenerateConfig(), **kwargs) -> Engine:
+    """The Engine composed with a speculative round (kept under its earlier name)."""
+    return Engine(model, tokenizer, policy, batch_size, config, decoder=SpeculativeDecode(draft, num_draft),
+                  **kwargs)

@@ -1,0 +1,68 @@
+"""How attention over compressed caches runs, and what ran: one frozen config, counters per cache set.
+
+`AttentionConfig` travels with the caches (every view a cache hands to attention carries it),
+so nothing is read from or written to module globals: a test or script that wants the
+blockwise path or no accelerator builds its caches with another config.
+`AttentionStats` are the counters one `build_caches` call shares between its layers.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from ..errors import MlxkvError
+
+
+def _env_kernel() -> bool:
+    return os.environ.get("MLXKV_CUDA_DECODE", "") == "1"
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    fused_bytes: int = 256 * 2**20  # decoded K+V of one call up to which one fused SDPA call serves
+    block_bytes: int = 64 * 2**20  # per block of the blockwise path
+    block: int | None = None  # tokens per block; set: always blockwise (tests), None: from block_bytes
+    qmm: bool = True  # CPU/Metal: decode attention from packed words with mx.quantized_matmul
+    cuda_kernel: bool = field(default_factory=_env_kernel)  # CUDA: the fused decode kernel
+    rotated: bool = True  # rotation codecs: attend in the rotated basis
+
+    def __post_init__(self):
+        for name in ("fused_bytes", "block_bytes"):
+            if getattr(self, name) < 1:
+                raise MlxkvError(f"attention {name} must be >= 1, got {getattr(self, name)}")
+        if self.block is not None and self.block < 1:
+            raise MlxkvError(f"attention block must be >= 1 token, got {self.block}")
+
+    @property
+    def accelerated(self) -> bool:
+        """Whether the accelerators (qmm, kernel) may serve: never when blocks are forced."""
+        return self.block is None
+
+
+DEFAULT = AttentionConfig()
+
+
+@dataclass
+class AttentionStats:
+    """Attention calls by path, over every layer of one cache set."""
+
+    calls: dict = field(default_factory=dict)  # path -> calls ("fused", "blockwise", "qmm", "cuda-kernel", ...)
+    dense_calls: int = 0
+
+    def record(self, path: str) -> None:
+        self.calls[path] = self.calls.get(path, 0) + 1
+
+    @property
+    def compressed_calls(self) -> int:
+        return sum(self.calls.values())
+
+    @property
+    def path(self) -> str:
+        """`mlx-fast-sdpa` when nothing compressed was read, else `mlxkv-<paths, most used first>`."""
+        if not self.calls:
+            return "mlx-fast-sdpa"
+        return "mlxkv-" + "+".join(sorted(self.calls, key=lambda p: (-self.calls[p], p)))
+
+    def to_json(self) -> dict:
+        return {"path": self.path, "calls": dict(self.calls)}

@@ -1,0 +1,116 @@
+"""The Runner: rows -> one model step -> sampled tokens. It holds the running rows' caches.
+
+One running row keeps its own caches as built (mlx-lm's KVCache for full precision, so a lone
+row decodes exactly as mlx-lm's generate_step does: no batch mask, no padding); a second row
+joining merges them into batch caches (mlx-lm's batch protocol), which stay merged.
+Nothing here reads an array back to the host: the caller reads the sampled tokens once.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..attention.config import DEFAULT as DEFAULT_ATTENTION
+from ..attention.config import AttentionConfig, AttentionStats
+from ..policy import KVPolicy, build_caches
+from .forward import forward, prefill_chunk
+from .sampling import SamplingConfig
+from .sequence import Sequence
+
+
+def logprobs(logits: mx.array) -> mx.array:
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+class Runner:
+    def __init__(self, model: nn.Module, policy: KVPolicy, prefill_chunk: int,
+                 sampling: SamplingConfig = SamplingConfig(), attention: AttentionConfig = DEFAULT_ATTENTION,
+                 merge_single: bool = False):
+        self.model, self.policy, self.chunk = model, policy, prefill_chunk
+        self.attention = attention
+        self.stats = AttentionStats()  # every cache this runner builds counts here
+        self.sampling = sampling
+        self.sampler = sampling.sampler()  # the engine-wide sampler (seeds the global RNG once)
+        self.merge_single = merge_single  # speculative rounds need batch caches from the first row
+        self.caches: list | None = None  # the running rows' caches
+        self.merged = False
+
+    def new_caches(self) -> list:
+        return build_caches(self.model, self.policy, self.attention, self.stats)[0]
+
+    # -- prefill --------------------------------------------------------------
+    def prefill_step(self, seq: Sequence) -> mx.array | None:
+        """One chunk of `seq`'s prompt into its own caches; the last position's logits (1, V)
+        once the prompt is done, else None."""
+        ids = list(seq.request.prompt_ids)
+        seq.done_prompt, logits = prefill_chunk(self.model, ids, seq.caches, seq.done_prompt, self.chunk)
+        if seq.done_prompt < len(ids):
+            mx.eval([c.state for c in seq.caches])
+            return None
+        return logits[:, -1, :]
+
+    # -- membership -------------------------------------------------------------
+    def join(self, caches: list) -> None:
+        """Add one row's caches. Merging is done, and materialized, one layer at a time, so the
+        copy a merge makes exists beside the old buffers for one layer only (the byte model's
+        join transient)."""
+        if self.caches is None:
+            if self.merge_single:
+                self.caches, self.merged = [_settled(type(c).merge([c])) for c in caches], True
+            else:
+                self.caches, self.merged = caches, False
+        elif not self.merged:
+            old, self.caches, self.merged = self.caches, [], True
+            for i, (a, b) in enumerate(zip(old, caches)):
+                self.caches.append(_settled(type(a).merge([a, b])))
+                old[i] = None
+        else:
+            for mine, new in zip(self.caches, caches):
+                mine.extend(type(new).merge([new]))
+                _settled(mine)
+
+    def filter(self, keep: list[int]) -> None:
+        if not keep:
+            self.caches, self.merged = None, False
+        elif self.merged:
+            idx = mx.array(keep)
+            for c in self.caches:
+                c.filter(idx)
+
+    # -- decode -----------------------------------------------------------------
+    def forward(self, tokens: mx.array) -> mx.array:
+        """tokens (B, N) -> logits (B, N, V), lazily."""
+        return forward(self.model, tokens, self.caches)
+
+    def sample(self, logits: mx.array, seqs: list[Sequence]) -> mx.array:
+        """logits (B, V) -> tokens (B,), lazily; rows with their own sampling settings or seeds
+        are sampled apart (a seeded row draws from its own random state)."""
+        lp = logprobs(logits)
+        if all(s.sampling is self.sampling and s.key is None for s in seqs):
+            return self.sampler(lp)
+        out = []
+        for b, s in enumerate(seqs):
+            out.append(sample_row(lp[b : b + 1], s, self))
+        return mx.concatenate(out, axis=0)
+
+
+def _settled(cache):
+    """Materialize a cache's arrays now (packing batch rows first, where they pack)."""
+    pack = getattr(cache, "_maybe_pack", None)
+    if pack is not None:
+        pack()
+    state = cache.state
+    mx.eval([a for a in (state if isinstance(state, (tuple, list)) else [state]) if isinstance(a, mx.array)])
+    return cache
+
+
+def sample_row(lp: mx.array, seq: Sequence, runner: Runner) -> mx.array:
+    """One row's token from its logprobs (1, V), with its settings and random state."""
+    cfg = seq.sampling
+    if cfg.temp == 0:
+        return mx.argmax(lp, axis=-1)
+    if seq.key is None:
+        return (runner.sampler if cfg is runner.sampling else cfg.sampler(seed=False))(lp)
+    seq.key, sub = mx.random.split(seq.key)
+    return cfg.sample(lp, key=sub)
