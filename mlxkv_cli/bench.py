@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from kvcore.backend import backend_name, versions
 from kvcore.bench import build_random_model
@@ -15,11 +14,13 @@ from kvcore.bench.bandwidth import memory_bandwidth
 from kvcore.bench.grid import BenchConfig, run_grid
 from kvcore.errors import MlxkvError
 from kvcore.distributed import current, handshake, load_for_run, shard
-from kvcore.models import parse_dtype
+from kvcore.models import dtype_name, parse_dtype
 from kvcore.store.atomic import check_target
 
 from . import bench_output
-from .options import DtypeOpt, JsonOpt, ModelOpt
+from .hub import fetch_model
+from .options import DtypeOpt, JsonOpt, ModelOpt, OfflineOpt
+from .progress import steps
 
 
 def parse_ints(text: str, what: str) -> tuple[int, ...]:
@@ -35,7 +36,7 @@ def parse_ints(text: str, what: str) -> tuple[int, ...]:
 def bench(
     model: ModelOpt = None,
     shape: Annotated[Optional[str], typer.Option(help="Random-weight model of a named shape (llama-8b, qwen3-4b, gemma3-12b, ...).")] = None,
-    weight_bits: Annotated[str, typer.Option(help="With --shape: full, 8 or 4.")] = "full",
+    weight_bits: Annotated[Optional[str], typer.Option(help="With --shape: full, 8 or 4 (default full).")] = None,
     dtype: DtypeOpt = None,
     kv: Annotated[str, typer.Option(help="Comma-separated KV schemes, as generate's --kv takes them "
                                          "(full, affine:4/g32, turbo:k4v3, turbo:4/r16, config:FILE).")] = "full,affine:8,affine:4",
@@ -45,14 +46,24 @@ def bench(
     repeats: Annotated[int, typer.Option(help="Timed repeats per case (after one warm-up).")] = 3,
     seed: Annotated[int, typer.Option(help="Seed of the random-token prompts.")] = 0,
     no_baseline: Annotated[bool, typer.Option("--no-baseline", help="Skip mlx-lm's rows.")] = False,
+    baseline_budget: Annotated[float, typer.Option(help="A one-row mlx-lm run may take this many times mlxkv's run "
+                                                        "of the case (at least 30 s); one that would run longer is "
+                                                        "stopped and its row says so, with the estimate. 0: no bound.")] = 10.0,
     output: Annotated[Optional[Path], typer.Option(help="Write the JSON report here.")] = None,
     csv: Annotated[Optional[Path], typer.Option(help="Write the rows as CSV here.")] = None,
     plot: Annotated[Optional[Path], typer.Option(help="PNG: decode tok/s and peak memory against context.")] = None,
+    offline: OfflineOpt = False,
     json_out: JsonOpt = False,
 ):
     """Benchmark KV schemes side by side with mlx-lm."""
     cfg = BenchConfig(tuple(s.strip() for s in kv.split(",") if s.strip()), parse_ints(context, "--context"),
-                      parse_ints(batch, "--batch"), gen, repeats, seed, not no_baseline)
+                      parse_ints(batch, "--batch"), gen, repeats, seed, not no_baseline,
+                      baseline_factor=baseline_budget)
+    dtype = dtype_name(dtype)
+    if weight_bits is not None and not shape:
+        raise MlxkvError("--weight-bits sets the random weights of a --shape: give --shape (a model's weights are "
+                         "what its folder holds)")
+    weight_bits = weight_bits or "full"
     for target in (output, csv, plot):  # a bad output path fails now, not after the whole run
         if target is not None:
             check_target(target)
@@ -70,20 +81,15 @@ def bench(
         handshake(dist, True, repr((shape, weight_bits, dtype, cfg)))
         source, weights = f"shape:{shape}", "random"
     else:
+        fetch_model(model, offline)
         lm, dist = load_for_run(model, dtype, repr((model, dtype, cfg)))
         net, config, source, weights = lm.model, lm.config, lm.source, "trained"
     vocab = config.get("text_config", config)["vocab_size"]
-    bw = memory_bandwidth()
     n_cases = len(cfg.schemes) * len(cfg.contexts) * len(cfg.batches) * (2 if cfg.baseline else 1)
-    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TimeElapsedColumn(), TimeRemainingColumn(), console=bench_output.err, transient=True) as bar:
-        task = bar.add_task("bench", total=n_cases)
-
-        def progress(label: str):
-            bar.update(task, description=label, advance=0 if bar.tasks[0].description == "bench" else 1)
-
-        rows = run_grid(net, vocab, cfg, progress, bw["ceiling"])
-        bar.update(task, completed=n_cases)
+    with steps(bench_output.err, n_cases + 1, "bench") as progress:  # a bar on a terminal, a line a case elsewhere
+        progress.start("memory bandwidth probe")
+        bw = memory_bandwidth()
+        rows = run_grid(net, vocab, cfg, progress.start, bw["ceiling"])
     report = {"meta": {"model": source, "weights": weights, "backend": backend_name(),
                        "copy_bandwidth_gbs": round(bw["copy"] / 1e9, 1),
                        "read_bandwidth_gbs": round(bw["read"] / 1e9, 1), "date": time.strftime("%Y-%m-%d"),

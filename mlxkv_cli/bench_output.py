@@ -19,20 +19,25 @@ from .output import json_line
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 out = Console(highlight=False, width=None if Console().is_terminal else 160)
 COLUMNS = ("context", "batch", "scheme", "engine", "prefill_tps", "ttft_s", "decode_tps", "decode_tps_min",
-           "decode_tps_max", "vs_mlx_lm", "peak_memory_gb", "kv_bytes", "bits_per_element", "bandwidth_gbs",
-           "bandwidth_share", "error")
+           "decode_tps_max", "vs_mlx_lm", "vs_mlx_lm_scheme", "peak_memory_gb", "kv_bytes", "bits_per_element",
+           "bandwidth_gbs", "bandwidth_share", "bandwidth_error", "estimate_s", "error")
 
 
 def ratios(rows: list[dict]) -> list[dict]:
-    """Add mlxkv/mlx-lm decode ratios where mlx-lm ran the same case."""
-    base = {(r["context"], r["batch"], r["scheme"]): r for r in rows if r["engine"] == "mlx-lm" and "error" not in r}
-    full = {(r["context"], r["batch"]): r for r in rows if r["engine"] == "mlx-lm" and r["scheme"] == "full"
-            and "error" not in r}
+    """mlxkv/mlx-lm decode ratios: against mlx-lm's row of the same scheme where it ran, else its
+    full-precision row of the case (`vs_mlx_lm_scheme` says which); a bandwidth share above 100%
+    of the ceiling is a measurement error, flagged in the row (`bandwidth_error`), not a figure."""
+    ran = {(r["context"], r["batch"], r["scheme"]): r for r in rows if r["engine"] == "mlx-lm" and "error" not in r}
     for r in rows:
         if r["engine"] == "mlxkv" and "error" not in r:
-            b = base.get((r["context"], r["batch"], r["scheme"])) or full.get((r["context"], r["batch"]))
-            if b:
+            b = ran.get((r["context"], r["batch"], r["scheme"])) or ran.get((r["context"], r["batch"], "full"))
+            if b and b["decode_tps"]:
                 r["vs_mlx_lm"] = round(r["decode_tps"] / b["decode_tps"], 3)
+                r["vs_mlx_lm_scheme"] = b["scheme"]
+        share = r.get("bandwidth_share")
+        if share is not None and share > 1:
+            r["bandwidth_error"] = (f"{100 * share:.0f}% of the bandwidth ceiling: a measurement error (a step "
+                                    f"cannot read faster than the device; its time or byte count is off)")
     return rows
 
 
@@ -44,15 +49,30 @@ def _fmt(v) -> str:
     return str(v)
 
 
+def _vs(r: dict) -> str:
+    if r.get("vs_mlx_lm") is None:
+        return "-"
+    same = r.get("vs_mlx_lm_scheme") == r["scheme"]
+    return _fmt(r["vs_mlx_lm"]) + ("" if same else f" (vs {r.get('vs_mlx_lm_scheme')})")
+
+
+def _share(r: dict) -> str:
+    if r.get("bandwidth_error"):
+        return f"[red]error: {100 * r['bandwidth_share']:.0f}% > 100%[/red]"
+    share = r.get("bandwidth_share")
+    return f"{100 * share:.0f}%" if share else "-"
+
+
 def _cells(r: dict) -> list[str]:
     if "error" in r:
-        return [str(r["context"]), str(r["batch"]), r["scheme"], r["engine"], f"[red]{escape(r['error'][:90])}[/red]"] + [""] * 6
+        colour = "yellow" if r.get("skipped") else "red"
+        return [str(r["context"]), str(r["batch"]), r["scheme"], r["engine"],
+                f"[{colour}]{escape(r['error'][:100])}[/{colour}]"] + [""] * 6
     spread = f"{_fmt(r['decode_tps'])} ({_fmt(r['decode_tps_min'])}-{_fmt(r['decode_tps_max'])})"
     kv = r.get("kv_bytes")
-    share = r.get("bandwidth_share")
     return [str(r["context"]), str(r["batch"]), r["scheme"], r["engine"], _fmt(r.get("prefill_tps")), spread,
-            _fmt(r.get("vs_mlx_lm")), _fmt(r.get("peak_memory_gb")), _fmt(kv / 2**20) if kv else "-",
-            _fmt(r.get("bits_per_element")), f"{100 * share:.0f}%" if share else "-"]
+            _vs(r), _fmt(r.get("peak_memory_gb")), _fmt(kv / 2**20) if kv else "-",
+            _fmt(r.get("bits_per_element")), _share(r)]
 
 
 def render(report: dict, as_json: bool) -> None:
@@ -60,8 +80,13 @@ def render(report: dict, as_json: bool) -> None:
         json_line(report)
         return
     meta = report["meta"]
-    t = Table(title=f"mlxkv bench: {meta['model']} ({meta['weights']} weights), {meta['backend']}, "
-                    f"bandwidth: copy {meta['copy_bandwidth_gbs']} GB/s, matrix-vector read {meta['read_bandwidth_gbs']} GB/s")
+    ceiling = max(meta["copy_bandwidth_gbs"], meta["read_bandwidth_gbs"])
+    t = Table(title=f"mlxkv bench: {meta['model']} ({meta['weights']} weights), {meta['backend']}",
+              caption=f"x mlx-lm: mlxkv's decode tok/s over mlx-lm's row of the same scheme (or the one named). "
+                      f"BW share: bytes a decode step reads (weights + KV) x steps/s, as a share of the bandwidth "
+                      f"ceiling {ceiling} GB/s (the larger of copy {meta['copy_bandwidth_gbs']} and matrix-vector "
+                      f"read {meta['read_bandwidth_gbs']} GB/s); above 100% is a measurement error.",
+              caption_justify="left")
     for c in ("ctx", "rows", "KV", "engine", "prefill tok/s", "decode tok/s (min-max)", "x mlx-lm", "peak GB",
               "KV MiB", "bits/el", "BW share"):
         t.add_column(c)
@@ -104,28 +129,6 @@ def require_matplotlib():
 
 def write_plot(path: Path, report: dict) -> None:
     require_matplotlib()
-    import matplotlib
+    from .bench_plot import write_plot as plot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
-    groups: dict = {}
-    for r in report["rows"]:
-        if "error" not in r:
-            groups.setdefault((r["engine"], r["scheme"], r["batch"]), []).append(r)
-    for (engine, scheme, batch), rs in sorted(groups.items()):
-        rs.sort(key=lambda r: r["context"])
-        style = "--" if engine == "mlx-lm" else "-"
-        label = f"{engine} {scheme} x{batch}"
-        a1.plot([r["context"] for r in rs], [r["decode_tps"] for r in rs], style, marker="o", label=label)
-        a2.plot([r["context"] for r in rs], [r["peak_memory_gb"] for r in rs], style, marker="o", label=label)
-    a1.set(xlabel="context (tokens)", ylabel="decode tok/s", xscale="log")
-    a2.set(xlabel="context (tokens)", ylabel="peak memory (GB)", xscale="log")
-    a1.legend(fontsize=7)
-    fig.suptitle(f"{report['meta']['model']} ({report['meta']['weights']} weights), {report['meta']['backend']}")
-    fig.tight_layout()
-    tmp = Path(path).with_name(f".{Path(path).name}.tmp.png")
-    fig.savefig(tmp)
-    plt.close(fig)
-    os.replace(tmp, path)
+    plot(path, report)

@@ -2,7 +2,10 @@
 
 Each case: seeded random-token prompts, one warm-up, N repeats; the median and the spread
 (min..max) of decode tok/s; bytes a decode step reads (weights + KV) and the bandwidth that
-implies, as a share of the device's measured copy bandwidth.
+implies, as a share of the device's measured bandwidth ceiling. A one-row mlx-lm baseline that
+would run more than `baseline_factor` times mlxkv's run on the same case (and more than
+`baseline_min_s`) is stopped during its warm-up and reported as skipped for time, with the
+estimate (baseline_time.py).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from ..codecs import codec_names
 from ..errors import MlxkvError
 from ..policy import KVOptions, KVPolicy, resolve_policy
 from ..policy.kv_spec import GROUPED
+from .baseline_time import bounded_mlx_lm_warmup
 from .measure import measure_mlx_lm, measure_mlxkv, seeded_prompts, step_weight_bytes
 
 
@@ -30,13 +34,21 @@ class BenchConfig:
     seed: int = 0
     baseline: bool = True
     prefill_chunk: int = 2048
+    baseline_factor: float = 10.0  # a one-row mlx-lm run may take this many times mlxkv's (0: no bound)
+    baseline_min_s: float = 30.0  # ... and at least this many seconds
 
     def __post_init__(self):
         for name, values in (("--context", self.contexts), ("--batch", self.batches)):
             if not values or any(v < 1 for v in values):
                 raise MlxkvError(f"{name} needs positive integers, got {list(values)}")
+            if max(values) >= 2**31:
+                raise MlxkvError(f"{name} {max(values)} is beyond what any run can hold (at most {2**31 - 1})")
         if self.gen < 2 or self.repeats < 1:
             raise MlxkvError("--gen must be >= 2 and --repeats >= 1")
+        if not 0 <= self.seed < 2**64:
+            raise MlxkvError(f"--seed must be an integer in [0, 2^64), got {self.seed}")
+        if not (0 <= self.baseline_factor < float("inf")) or not (0 <= self.baseline_min_s < float("inf")):
+            raise MlxkvError(f"--baseline-budget must be a finite number >= 0, got {self.baseline_factor}")
         if not 0 <= self.seed < 2**64:
             raise MlxkvError(f"--seed must be an integer in [0, 2^64), got {self.seed}")
         if not self.schemes:
@@ -116,15 +128,41 @@ def run_grid(model, vocab: int, cfg: BenchConfig, progress: Callable[[str], None
         for batch in cfg.batches:
             prompts = seeded_prompts(vocab, batch, context, cfg.seed)
             for scheme, policy in policies.items():
+                ours_s = None  # seconds of one mlxkv run of this case
                 for engine, fn in _engines(model, policy, prompts, cfg):
                     if progress:
                         progress(f"{engine} {scheme} ctx={context} batch={batch}")
                     case = Case(scheme, context, batch, engine)
-                    first = fn()  # warm-up (and the failure, if the engine cannot run this case)
+                    bound = _bound(engine, policy, prompts, cfg, ours_s)
+                    first = bound(model) if bound else fn()  # warm-up (and the failure, if the engine cannot run it)
+                    if first.get("skipped"):
+                        rows.append(_skipped(case, first["estimate_s"], ours_s, cfg))
+                        continue
                     case.runs = [first] if "error" in first else [fn() for _ in range(cfg.repeats)]
                     rows.append(case.summary(wbytes, bandwidth))
+                    if engine == "mlxkv":
+                        walls = [r["wall_s"] for r in case.runs if "wall_s" in r]
+                        ours_s = statistics.median(walls) if walls else None
                     mx.clear_cache()
     return rows
+
+
+def _bound(engine: str, policy: KVPolicy, prompts, cfg: BenchConfig, ours_s: float | None):
+    """The time-bounded warm-up for a one-row mlx-lm baseline, or None (no bound applies)."""
+    kv = mlx_lm_kv(policy)
+    if engine != "mlx-lm" or kv is None or len(prompts) != 1 or not cfg.baseline_factor or ours_s is None:
+        return None
+    budget = max(cfg.baseline_factor * ours_s, cfg.baseline_min_s)
+    return lambda model: bounded_mlx_lm_warmup(model, kv[0], kv[1], prompts[0], cfg.gen, cfg.prefill_chunk, budget)
+
+
+def _skipped(case: Case, estimate: float, ours_s: float, cfg: BenchConfig) -> dict:
+    budget = max(cfg.baseline_factor * ours_s, cfg.baseline_min_s)
+    return {"scheme": case.scheme, "context": case.context, "batch": case.batch, "engine": case.engine,
+            "skipped": "time", "estimate_s": estimate,
+            "error": f"skipped for time: mlx-lm would take ~{estimate:.0f} s a run ({cfg.repeats + 1} runs); the bound "
+                     f"is {budget:.0f} s a run ({cfg.baseline_factor:g}x mlxkv's {ours_s:.1f} s, at least "
+                     f"{cfg.baseline_min_s:g} s; --baseline-budget)"}
 
 
 def _engines(model, policy: KVPolicy, prompts, cfg: BenchConfig) -> list[tuple[str, Callable[[], dict]]]:
