@@ -40,6 +40,10 @@ def generate(
     top_p: Annotated[float, typer.Option(help="Nucleus sampling mass.")] = 1.0,
     min_p: Annotated[float, typer.Option(help="Min-p sampling threshold.")] = 0.0,
     seed: Annotated[Optional[int], typer.Option(help="Random seed.")] = None,
+    top_k: Annotated[int, typer.Option(help="Sample from the K most likely tokens only (0 = off).")] = 0,
+    repetition_penalty: Annotated[float, typer.Option(help="Penalty for tokens seen in the last --repetition-context-size tokens (1 = off; mlx-lm's rule).")] = 1.0,
+    repetition_context_size: Annotated[int, typer.Option(help="Tokens the repetition penalty looks back on.")] = 20,
+    logprobs: Annotated[Optional[int], typer.Option(help="With --json: each token's log-probability and the top N (the model's distribution).")] = None,
     stop: Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable).")] = None,
     kv: KvOpt = None,
     kv_bits: KvBitsOpt = None,
@@ -63,12 +67,16 @@ def generate(
 ):
     """Generate text with a compressed KV cache."""
     dtype = dtype_name(dtype)  # fp16 reads as float16, as --kv spells it
+    if logprobs is not None and not json_out:
+        raise MlxkvError("--logprobs needs --json (the log-probabilities go in the JSON completions)")
+    if repetition_penalty != 1 and (draft is not None or draft_model is not None):
+        raise MlxkvError("--repetition-penalty is not supported with speculative decoding (--draft/--draft-model)")
     check_draft_flags(draft, draft_model, draft_kv_bits)
     job = GenerateJob(
         prompts=[],
         model=model, dtype=dtype, system=system_prompt, chat_template=not no_chat_template,
         max_tokens=max_tokens, stop=tuple(stop or ()),
-        sampling=SamplingConfig(temp, top_p, min_p, seed),
+        sampling=SamplingConfig(temp, top_p, min_p, seed, top_k, repetition_penalty, repetition_context_size, logprobs),
         kv=KVOptions(kv_bits, kv_group_size, quantized_kv_start, str(kv_config) if kv_config else None,
                      max_kv_size, kv_keep, profile, kv),
         prefill_chunk=prefill_chunk,

@@ -12,6 +12,7 @@ import time
 
 import mlx.core as mx
 
+from .sampling import token_column
 from .sequence import TokenEvent
 
 
@@ -47,7 +48,7 @@ class PlainDecode:
         if out is None:
             out = self._next(engine, mx.array([[s.next_token] for s in rows]), rows)
         more = any(s.remaining > 1 for s in rows)
-        self.queued = self._next(engine, out[:, None], rows) if more else None
+        self.queued = self._next(engine, token_column(out), rows) if more else None
         if self.queued is not None:
             mx.async_eval(self.queued)
         return self._consume(engine, out, t0)
@@ -62,4 +63,4 @@ class PlainDecode:
         engine.decode_time += time.perf_counter() - t0
         engine.decoded += len(toks)
         engine.trace.append(("decode", tuple(s.id for s in rows)))
-        return [s.append(t) for s, t in zip(rows, toks) if not s.finished]
+        return [s.take(t) for s, t in zip(rows, toks) if not s.finished]

@@ -147,7 +147,7 @@ class Engine:
         seq.started()
         events = []
         if not seq.finished:
-            events.append(seq.append(int(tok.item())))
+            events.append(seq.take(tok.tolist()[0]))
         if seq.finished:
             self.scheduler.joined(seq)
             self._finished(seq)

@@ -13,35 +13,38 @@ import mlx.nn as nn
 
 from .engine import GenerateConfig
 from .forward import forward, prefill
-from .runner import logprobs
+from .runner import sample_row, with_logprobs
+from .sampling import token_column
 from .sequence import Completion, Request, Sequence
 
 __all__ = ["Completion", "GenerateConfig", "Request", "decode_tokens", "generate_one"]
 
 
-def decode_tokens(model: nn.Module, caches: list, logits: mx.array, sample: Callable, n: int) -> Iterator[int]:
-    """Sample from `logits`, then keep feeding each sampled token back; yields n token ids.
+def decode_tokens(model: nn.Module, caches: list, logits: mx.array, sample: Callable, n: int) -> Iterator:
+    """Sample from `logits` (1, V), then keep feeding each sampled token back; yields n read-back
+    samples (a token id, or a packed row with its logprobs: `Sequence.take` reads either).
 
     The next step is queued (async_eval) before the current token is read back.
     """
-    y = sample(logprobs(logits))
+    y = sample(logits)
     mx.async_eval(y)
     for i in range(n):
         nxt = None
         if i + 1 < n:
-            nxt = sample(logprobs(forward(model, y[:, None], caches)[:, -1, :]))
+            nxt = sample(forward(model, token_column(y), caches)[:, -1, :])
             mx.async_eval(nxt)
-        yield int(y.item())
+        yield y.tolist()[0]
         y = nxt
 
 
 def _row_sampler(seq: Sequence) -> Callable:
+    """logits (1, V) -> the row's sample (its settings, random state, penalty, logprobs)."""
     if seq.key is None:
-        return seq.sampling.sampler()
+        seq.sampling.sampler()  # seeds the global random state, as the engine-wide sampler does
 
-    def draw(lp):
-        seq.key, sub = mx.random.split(seq.key)
-        return seq.sampling.sample(lp, sub)
+    def draw(logits):
+        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return with_logprobs(sample_row(logits, seq, None, lp), lp, [seq])
     return draw
 
 
@@ -55,7 +58,7 @@ def generate_one(model: nn.Module, tokenizer, request: Request, caches: list,
     seq.started()
     if not seq.finished:
         for tok in decode_tokens(model, caches, logits, _row_sampler(seq), request.max_tokens):
-            event = seq.append(tok)
+            event = seq.take(tok)
             if on_text and event.text:
                 on_text(event.text)
             if seq.finished:

@@ -15,7 +15,7 @@ from ..attention.config import DEFAULT as DEFAULT_ATTENTION
 from ..attention.config import AttentionConfig, AttentionStats
 from ..policy import KVPolicy, build_caches
 from .forward import forward, prefill_chunk
-from .sampling import SamplingConfig
+from .sampling import SamplingConfig, pack_logprobs
 from .sequence import Sequence
 
 
@@ -84,15 +84,16 @@ class Runner:
         return forward(self.model, tokens, self.caches)
 
     def sample(self, logits: mx.array, seqs: list[Sequence]) -> mx.array:
-        """logits (B, V) -> tokens (B,), lazily; rows with their own sampling settings or seeds
-        are sampled apart (a seeded row draws from its own random state)."""
+        """logits (B, V) -> tokens (B,), lazily; rows with their own sampling settings, seeds or a
+        repetition penalty are sampled apart (a seeded row draws from its own random state).
+        When a row asks for log-probabilities they ride along: (B, 2 + 2N) (sampling.py)."""
         lp = logprobs(logits)
-        if all(s.sampling is self.sampling and s.key is None for s in seqs):
-            return self.sampler(lp)
-        out = []
-        for b, s in enumerate(seqs):
-            out.append(sample_row(lp[b : b + 1], s, self))
-        return mx.concatenate(out, axis=0)
+        if all(s.sampling is self.sampling and s.key is None for s in seqs) and not self.sampling.penalized:
+            tokens = self.sampler(lp)
+        else:
+            tokens = mx.concatenate([sample_row(logits[b : b + 1], s, self, lp[b : b + 1])
+                                     for b, s in enumerate(seqs)], axis=0)
+        return with_logprobs(tokens, lp, seqs)
 
 
 def _settled(cache):
@@ -105,12 +106,26 @@ def _settled(cache):
     return cache
 
 
-def sample_row(lp: mx.array, seq: Sequence, runner: Runner) -> mx.array:
-    """One row's token from its logprobs (1, V), with its settings and random state."""
+def sample_row(logits: mx.array, seq: Sequence, runner: Runner | None = None, lp: mx.array | None = None) -> mx.array:
+    """One row's token from its logits (1, V), with its settings, random state and penalty
+    history (which the token joins, lazily). `lp`: the logprobs of `logits`, if at hand."""
     cfg = seq.sampling
+    if cfg.penalized:
+        logits, lp = cfg.penalize(seq.history, logits), None
+    lp = logprobs(logits) if lp is None else lp
     if cfg.temp == 0:
-        return mx.argmax(lp, axis=-1)
-    if seq.key is None:
-        return (runner.sampler if cfg is runner.sampling else cfg.sampler(seed=False))(lp)
-    seq.key, sub = mx.random.split(seq.key)
-    return cfg.sample(lp, key=sub)
+        tok = mx.argmax(lp, axis=-1)
+    elif seq.key is None:
+        tok = (runner.sampler if runner is not None and cfg is runner.sampling else cfg.sampler(seed=False))(lp)
+    else:
+        seq.key, sub = mx.random.split(seq.key)
+        tok = cfg.sample(lp, key=sub)
+    if cfg.penalized:
+        seq.remember(tok)
+    return tok
+
+
+def with_logprobs(tokens: mx.array, lp: mx.array, seqs: list[Sequence]) -> mx.array:
+    """tokens (B,), or packed with the top-N logprobs when any row asked for them."""
+    asked = [s.sampling.logprobs for s in seqs if s.sampling.logprobs is not None]
+    return pack_logprobs(tokens, lp, max(asked)) if asked else tokens

@@ -15,7 +15,7 @@ from enum import Enum
 
 import mlx.core as mx
 
-from .sampling import SamplingConfig
+from .sampling import SamplingConfig, unpack_logprobs
 from .stops import StopMatcher
 
 
@@ -38,6 +38,7 @@ class Completion:
     prompt_time: float = 0.0
     gen_time: float = 0.0
     eos_token: int | None = None  # the EOS that ended it (fed to the caches, not in token_ids)
+    logprobs: list[dict] | None = None  # per token in token_ids: {"logprob", "top": [[id, lp], ...]}
 
     @property
     def prompt_tps(self) -> float:
@@ -54,6 +55,7 @@ class Completion:
             "generated_tokens": len(self.token_ids), "prompt_time_s": round(self.prompt_time, 4),
             "generation_time_s": round(self.gen_time, 4), "prompt_tps": round(self.prompt_tps, 2),
             "generation_tps": round(self.gen_tps, 2),
+            **({"logprobs": self.logprobs} if self.logprobs is not None else {}),
         }
 
 
@@ -91,6 +93,11 @@ class Sequence:
         self.reserved = 0  # KV bytes the scheduler reserved for it
         self.next_token: int | None = None  # the last token, to be fed next
         self.key = mx.random.key(request.sampling.seed) if request.sampling and request.sampling.seed is not None else None
+        if self.sampling.logprobs is not None:
+            self.out.logprobs = []
+        self.history: mx.array | None = None  # the last tokens the repetition penalty sees (lazy)
+        if self.sampling.penalized:
+            self.history = mx.array(list(request.prompt_ids[-self.sampling.repetition_context_size:]), mx.int32)
         self._shown = 0  # characters of text already handed out in events
         self.t_start = time.perf_counter()
         self.t_decode = 0.0
@@ -120,12 +127,25 @@ class Sequence:
         if self.request.max_tokens == 0:
             self.finish("length")
 
-    def append(self, tok: int) -> TokenEvent:
+    def remember(self, tok: mx.array) -> None:
+        """A sampled token (1,), still lazy, joins the repetition penalty's history."""
+        hist = tok.astype(mx.int32) if self.history is None else mx.concatenate([self.history, tok.astype(mx.int32)])
+        self.history = hist[-self.sampling.repetition_context_size:]
+
+    def take(self, sampled) -> TokenEvent:
+        """A read-back sampled value: a token id, or a packed row with its logprobs (sampling.py)."""
+        if isinstance(sampled, list):
+            return self.append(*unpack_logprobs(sampled, self.sampling.logprobs))
+        return self.append(sampled)
+
+    def append(self, tok: int, logprob: dict | None = None) -> TokenEvent:
         """Take one sampled token: EOS, a stop string or the length limit may end the row."""
         if tok in self.eos:
             self.out.eos_token = tok
             return self.finish("eos")
         self.out.token_ids.append(tok)
+        if self.out.logprobs is not None:
+            self.out.logprobs.append(logprob)
         self.next_token = tok
         if self.detok is not None:
             self.detok.add_token(tok)

@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_min_p, apply_top_p
 
 from ..engine.sampling import SamplingConfig
 
@@ -28,13 +27,9 @@ class Verdict:
 
 
 def sampling_probs(cfg: SamplingConfig, logits: mx.array) -> mx.array:
-    """(..., V) logits -> the distribution plain sampling draws from (temp, top-p, min-p)."""
+    """(..., V) logits -> the distribution plain sampling draws from (temp, top-p, min-p, top-k)."""
     lp = (logits - mx.logsumexp(logits, axis=-1, keepdims=True)).astype(mx.float32)
-    if 0 < cfg.top_p < 1:
-        lp = apply_top_p(lp, cfg.top_p)
-    if cfg.min_p:
-        lp = apply_min_p(lp, cfg.min_p)
-    return mx.softmax(lp / cfg.temp, axis=-1)
+    return mx.softmax(cfg.filter(lp) / cfg.temp, axis=-1)
 
 
 def accept_greedy(logits: mx.array, drafts: list[list[int]]) -> Verdict:
