@@ -154,3 +154,19 @@ def test_prompts_file_validation_is_linear(tmp_path):
     dup = tmp_path / "dup.jsonl"
     dup.write_text('{"prompt": "a", "id": 7}\n{"prompt": "b"}\n{"prompt": "c", "id": "7"}\n')
     one_line_error(cli("generate", "--prompts-file", dup, "-n", "2"), "id '7' appears more than once (lines 1 and 3)")
+
+
+def test_a_byte_order_mark_does_not_turn_json_lines_into_text(tmp_path):
+    rows = tmp_path / "bom.jsonl"
+    rows.write_bytes(b'\xef\xbb\xbf{"prompt": "Once upon", "id": "a"}\n')
+    assert [(s.prompt, s.id) for s in load_prompts_file(rows)] == [("Once upon", "a")]
+
+
+@pytest.mark.parametrize("args,message", [
+    (("generate", "-p", "x", "-n", "2", "--max-kv-size", 10**20), "--max-kv-size 100000000000000000000 is beyond"),
+    (("generate", "-p", "x", "-n", "2", "--kv-bits", "4", "--quantized-kv-start", 10**20), "is beyond any context"),
+    (("bench", "--kv", "full", "--context", 10**20, "--gen", "2", "--repeats", "1", "--no-baseline"),
+     "--context 100000000000000000000 is beyond"),
+])
+def test_token_counts_past_any_context(args, message):
+    one_line_error(run(*args), message)

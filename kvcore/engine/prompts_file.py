@@ -47,7 +47,7 @@ def load_prompts_file(path: str | Path) -> list[PromptSpec]:
     if not path.is_file():
         raise MlxkvError(f"prompts file not found: {path}")
     try:
-        lines = path.read_text().splitlines()
+        lines = path.read_text(encoding="utf-8-sig").splitlines()  # a byte-order mark is not part of line 1
     except UnicodeDecodeError:
         raise MlxkvError(f"prompts file is not UTF-8 text: {path}")
     numbered = [(n, line) for n, line in enumerate(lines, 1) if line.strip()]

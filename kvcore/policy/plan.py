@@ -16,6 +16,7 @@ from ..errors import MlxkvError
 from .kv_spec import kv_label
 
 MLX_LM_DEFAULT_START = 5000  # mlx-lm's quantized_kv_start default
+MAX_TOKENS = 2**40  # token counts beyond this are typos (and overflow MLX's integer arguments)
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,10 @@ class KVPolicy:
             raise MlxkvError(f"--quantized-kv-start must be >= 0, got {self.start}")
         if self.keep < 0:
             raise MlxkvError(f"--kv-keep must be >= 0, got {self.keep}")
+        for name, n in (("--quantized-kv-start", self.start), ("--max-kv-size", self.max_kv_size),
+                        ("--kv-keep", self.keep), ("recent tokens", self.recent)):
+            if n is not None and n > MAX_TOKENS:
+                raise MlxkvError(f"{name} {n} is beyond any context (at most {MAX_TOKENS} tokens)")
         if self.max_kv_size is not None and self.max_kv_size <= self.keep:
             raise MlxkvError(f"--max-kv-size ({self.max_kv_size}) must be larger than keep ({self.keep})")
 
