@@ -83,6 +83,8 @@ def load_folder(path: Path, source: str):
     """(model, tokenizer, config) by mlx-lm's `load`, with the folder checked before and after."""
     from mlx_lm.utils import load
 
+    if not path.is_dir():
+        raise MlxkvError(f"model {source} is neither a folder nor a regular .gguf file")
     config = read_config(path, source)
     try:
         model, tokenizer, config = load(str(path), return_config=True)

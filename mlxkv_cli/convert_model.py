@@ -26,7 +26,7 @@ def convert_model(
     from kvcore.gguf import convert_gguf
 
     if not gguf.is_file():
-        raise MlxkvError(f"GGUF file not found: {gguf}")
+        raise MlxkvError(f"GGUF {gguf} is not a regular file" if gguf.exists() else f"GGUF file not found: {gguf}")
     dt = getattr(dtype, "value", dtype)  # plain str
     start = time.perf_counter()
     folder = convert_gguf(gguf, out, dequantize=dequantize, dtype=dt)

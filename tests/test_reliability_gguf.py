@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import struct
 import tempfile
 from pathlib import Path
@@ -165,3 +166,12 @@ def test_convert_model_output_checked_first(dense_gguf, tmp_path):
         (tmp_path / "ro").chmod(0o755)
     r = CliRunner().invoke(build_app(), ["convert-model", str(dense_gguf), str(tmp_path / "new" / "deep" / "out")])
     assert r.exit_code == 0, r.output  # missing folders on the way are created
+
+
+def test_a_fifo_named_as_a_gguf(tmp_path):
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)
+    r = CliRunner().invoke(build_app(), ["convert-model", str(fifo), str(tmp_path / "out")])
+    assert r.exit_code == 1 and "is not a regular file" in r.stderr, r.output
+    r = CliRunner().invoke(build_app(), ["generate", "-m", str(fifo), "-p", "x", "-n", "2"])
+    assert r.exit_code == 1 and "neither a folder nor a regular .gguf file" in r.stderr, r.output
