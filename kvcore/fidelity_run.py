@@ -26,11 +26,17 @@ from .policy import KVPolicy, build_caches
 
 
 CHARS_PER_TOKEN = 16  # generous: text prefix tokenized before falling back to the whole text
+HELDOUT = Path(__file__).resolve().parent / "assets" / "heldout"  # public domain sample (LICENSE there)
+
+
+def heldout_texts() -> list[str]:
+    """The held-out sample shipped with kvcore: what fidelity reads without --text."""
+    return [str(p) for p in sorted(HELDOUT.glob("*.txt"))]
 
 
 @dataclass
 class FidelityJob:
-    texts: list[str]
+    texts: list[str]  # empty: the shipped held-out sample (`heldout_texts`)
     schemes: str = "full,affine:8,affine:4,turbo:k4v3"  # comma-separated, see fidelity_schemes.py
     model: str | None = None
     dtype: str | None = None
@@ -82,7 +88,7 @@ def _check(job: FidelityJob) -> None:
     if job.windows < 1 or job.window_tokens < 2:
         raise MlxkvError(f"--windows must be >= 1 and --window-tokens >= 2, got {job.windows}, {job.window_tokens}")
     if not job.texts:
-        raise MlxkvError("no text: pass --text FILE (repeatable)")
+        job.texts = heldout_texts()
     for t in job.texts:
         if not Path(t).is_file():
             raise MlxkvError(f"text file not found: {t}")

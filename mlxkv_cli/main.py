@@ -24,6 +24,7 @@ def build_app():
     from kvcore import __version__
 
     from .bench import bench
+    from .calibrate import calibrate
     from .convert_kv import convert_kv
     from .convert_model import convert_model
     from .errors import MlxkvGroup
@@ -55,6 +56,7 @@ def build_app():
     app.command("bench")(bench)
     app.command("fit")(fit)
     app.command("fidelity")(fidelity)
+    app.command("calibrate")(calibrate)
     return app
 
 

@@ -2,14 +2,18 @@
 
 Listed layers are compressed with their bits/group (group_size optional, default 64);
 unlisted layers stay full precision. Unknown extra keys are ignored so optiq's files are
-read unchanged; an optional "codec" key names a codec other than affine, and optional
-"key_bits" / "value_bits" give keys and values their own bits ("bits" is then optional):
-`{"layer_idx": 3, "codec": "turbo", "key_bits": 4, "value_bits": 3}`.
+read unchanged. mlxkv's extra fields (what `mlxkv calibrate` writes beside optiq's three):
+- "codec": a codec other than affine (`turbo`, ...);
+- "key_bits" / "value_bits": keys and values at their own widths ("bits" is then optional);
+- "recent": the N newest tokens stay full precision (as `--kv .../rN`); one window for the
+  whole config, so every listed entry gives the same N (or none, meaning 0).
+`{"layer_idx": 3, "codec": "turbo", "key_bits": 4, "value_bits": 3, "recent": 16}`.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..codecs import BITS, GROUPS, CodecSpec, codec_names, make_codec
@@ -26,6 +30,14 @@ def _int(entry_no: int, key: str, value) -> int:
 
 
 Layers = tuple[tuple[int, CodecSpec, CodecSpec], ...]  # (layer_idx, key codec, value codec)
+
+
+@dataclass(frozen=True)
+class KvConfig:
+    """A whole kv_config file: its layers and the recent window they share."""
+
+    layers: Layers
+    recent: int = 0
 
 
 def parse_kv_config(data, source: str = "kv_config") -> tuple[tuple[int, CodecSpec], ...]:
@@ -74,12 +86,31 @@ def parse_kv_layers(data, source: str = "kv_config") -> Layers:
     return tuple(sorted(out))
 
 
+def parse_kv_file(data, source: str = "kv_config") -> KvConfig:
+    layers = parse_kv_layers(data, source)
+    recents = {}
+    for n, entry in enumerate(data):
+        r = _int(n, "recent", entry.get("recent", 0))
+        if r < 0:
+            raise MlxkvError(f"{source} entry {n}: recent {r} is negative")
+        recents.setdefault(r, n)
+    if len(recents) > 1:
+        (a, na), (b, nb) = sorted(recents.items(), key=lambda x: x[1])[:2]
+        raise MlxkvError(f"{source}: entry {na} keeps recent {a} and entry {nb} recent {b}: one recent window "
+                         f"serves every listed layer")
+    return KvConfig(layers, next(iter(recents), 0))
+
+
 def load_kv_config(path: str | Path) -> tuple[tuple[int, CodecSpec], ...]:
     """(layer_idx, key codec) per listed layer; `load_kv_layers` has the value codecs too."""
     return tuple((i, k) for i, k, _ in load_kv_layers(path))
 
 
 def load_kv_layers(path: str | Path) -> Layers:
+    return load_kv_file(path).layers
+
+
+def load_kv_file(path: str | Path) -> KvConfig:
     path = Path(path)
     if not path.is_file():
         raise MlxkvError(f"kv_config file not found: {path}")
@@ -89,4 +120,4 @@ def load_kv_layers(path: str | Path) -> Layers:
         raise MlxkvError(f"kv_config {path}: not valid JSON ({e})")
     except RecursionError:
         raise MlxkvError(f"kv_config {path}: nested too deeply to read") from None
-    return parse_kv_layers(data, source=f"kv_config {path.name}")
+    return parse_kv_file(data, source=f"kv_config {path.name}")
