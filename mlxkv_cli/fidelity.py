@@ -16,7 +16,8 @@ from rich.table import Table
 from kvcore.fidelity_run import FidelityJob, run_fidelity
 from kvcore.store.atomic import atomic_write, check_target
 
-from .options import DtypeOpt, ModelOpt
+from .hub import fetch_model
+from .options import DtypeOpt, ModelOpt, OfflineOpt
 
 COLUMNS = (("scheme", "scheme"), ("engine", "engine"), ("bits/el", "bits_per_element"), ("mean KL", "mean_kl"),
            ("p99 KL", "p99_kl"), ("top-1", "top1_agreement"), ("ppl", "ppl"), ("Δppl", "ppl_delta"),
@@ -38,7 +39,8 @@ def _cell(key: str, v) -> str:
 
 
 def render(report: dict, console: Console) -> None:
-    t = Table(title=f"fidelity: {report['model']} · {report['windows']} windows × {report['window_tokens']} tokens · "
+    w = report["windows"]
+    t = Table(title=f"fidelity: {report['model']} · {w} window{'' if w == 1 else 's'} × {report['window_tokens']} tokens · "
                     f"chunk {report['chunk']} · {report['dtype']} · {report['backend']}")
     errors = any(r["error"] is not None for r in report["rows"])
     for title, _ in COLUMNS:
@@ -80,10 +82,12 @@ def fidelity(
     baselines: Annotated[bool, typer.Option("--baselines/--no-baselines", help="mlx-lm's QuantizedKVCache row beside each affine scheme.")] = True,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the JSON report to this file (atomic).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="The JSON report on stdout instead of the table.")] = False,
+    offline: OfflineOpt = False,
 ):
     """Measure KV schemes against full precision: KL, top-1 agreement, perplexity, bits per element."""
     if output is not None:
         check_target(output)
+    fetch_model(model, offline)
     job = FidelityJob([str(t) for t in text], kv, model, dtype, chunk, windows, window_tokens, baselines)
     with _progress(Console(stderr=True, highlight=False)) as progress:
         report = run_fidelity(job, progress).to_json()

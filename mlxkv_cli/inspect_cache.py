@@ -14,6 +14,9 @@ from kvcore.models import load_model
 from kvcore.store import inspect_cache as inspect_report
 from kvcore.units import format_bytes
 
+from .hub import fetch_model
+from .options import OfflineOpt
+
 COLUMNS = (("layer", "layer"), ("kind", "kind"), ("codec", "codec"), ("bits", "bits"), ("group", "group_size"),
            ("tokens", "tokens"), ("bytes", "bytes"), ("bits/el", "bits_per_element"))
 
@@ -55,10 +58,12 @@ def render(report: dict, console: Console) -> None:
 
 def inspect_cache(
     file: Annotated[Path, typer.Argument(help="An mlxkv cache file, or an mlx-lm prompt cache (.safetensors).")],
-    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Check the cache against this model and decode the first prefix tokens with its tokenizer.")] = None,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Check the cache against this model and decode the first prefix tokens with its tokenizer: a folder, .gguf, repo id, or 'embedded' (the default model).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="One JSON object on stdout.")] = False,
+    offline: OfflineOpt = False,
 ):
     """Show what a KV cache file holds: per layer kind, codec, tokens, bytes; totals; fingerprint."""
+    fetch_model(model, offline)
     lm = load_model(model) if model else None
     report = inspect_report(file, lm)
     if json_out:

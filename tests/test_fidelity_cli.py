@@ -104,6 +104,7 @@ def test_cli_table(text):
     r = cli("--text", text, "--kv", "affine:4", "--window-tokens", "128", "--no-baselines")
     assert r.exit_code == 0, r.output
     assert "affine:4/g64" in r.stdout and "mlx-lm" not in r.stdout and "mean KL" in r.stdout
+    assert "1 window × 128 tokens" in " ".join(r.stdout.split())  # one window, not "1 windows"
 
 
 @pytest.mark.parametrize("args,message", [
