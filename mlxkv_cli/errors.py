@@ -41,6 +41,13 @@ class MlxkvGroup(TyperGroup):
             _fail(str(e).splitlines()[0] if str(e) else type(e).__name__, 1)
         except BrokenPipeError:
             sys.exit(1)
+        except OSError as e:  # a file no check caught (the checks name most): still name it
+            if os.environ.get("MLXKV_DEBUG"):
+                traceback.print_exc()
+            where = f"{e.filename}: " if e.filename else ""
+            _fail(f"{where}{e.strerror or e}", 1)
+        except RecursionError:
+            _fail("an input is nested too deeply to read (JSON or TOML?)", 1)
         except Exception as e:  # the last resort: still one line unless debugging
             if os.environ.get("MLXKV_DEBUG"):
                 traceback.print_exc()

@@ -30,6 +30,8 @@ def _read_file(path: Path) -> str:
         return path.read_text()
     except UnicodeDecodeError:
         raise MlxkvError(f"prompt file is not UTF-8 text: {path}")
+    except OSError as e:
+        raise MlxkvError(f"prompt file {path}: cannot read it ({e.strerror or e})") from None
 
 
 def _not_empty(text: str, where: str) -> str:

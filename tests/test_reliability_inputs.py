@@ -7,6 +7,7 @@ import json
 import shutil
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -170,3 +171,11 @@ def test_a_byte_order_mark_does_not_turn_json_lines_into_text(tmp_path):
 ])
 def test_token_counts_past_any_context(args, message):
     one_line_error(run(*args), message)
+
+
+@pytest.mark.skipif(not Path("/proc/self/mem").exists(), reason="needs Linux's /proc")
+@pytest.mark.parametrize("flag", ["--prompt-file", "--prompts-file", "--kv-config", "--profile"])
+def test_a_file_that_fails_to_read_is_named(flag):
+    """/proc/self/mem is a regular file whose read fails (EIO): the error names the file."""
+    args = ("generate", flag, "/proc/self/mem", "-n", "2") + (("-p", "x") if flag in ("--kv-config", "--profile") else ())
+    one_line_error(run(*args), "/proc/self/mem: cannot read it (Input/output error)")

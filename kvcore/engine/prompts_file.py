@@ -50,6 +50,8 @@ def load_prompts_file(path: str | Path) -> list[PromptSpec]:
         lines = path.read_text(encoding="utf-8-sig").splitlines()  # a byte-order mark is not part of line 1
     except UnicodeDecodeError:
         raise MlxkvError(f"prompts file is not UTF-8 text: {path}")
+    except OSError as e:
+        raise MlxkvError(f"prompts file {path}: cannot read it ({e.strerror or e})") from None
     numbered = [(n, line) for n, line in enumerate(lines, 1) if line.strip()]
     if not numbered:
         raise MlxkvError(f"prompts file {path.name} has no prompts")

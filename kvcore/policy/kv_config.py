@@ -120,4 +120,6 @@ def load_kv_file(path: str | Path) -> KvConfig:
         raise MlxkvError(f"kv_config {path}: not valid JSON ({e})")
     except RecursionError:
         raise MlxkvError(f"kv_config {path}: nested too deeply to read") from None
+    except OSError as e:
+        raise MlxkvError(f"kv_config {path}: cannot read it ({e.strerror or e})") from None
     return parse_kv_file(data, source=f"kv_config {path.name}")

@@ -57,6 +57,8 @@ def load_profile(name_or_path: str) -> dict:
         raise MlxkvError(f"profile {path.name}: not valid TOML ({e})")
     except RecursionError:
         raise MlxkvError(f"profile {path.name}: nested too deeply to read") from None
+    except OSError as e:
+        raise MlxkvError(f"profile {path}: cannot read it ({e.strerror or e})") from None
     for key in data:
         if key not in ("description", "kv"):
             raise MlxkvError(f"profile {path.name}: unknown key {key!r}")
