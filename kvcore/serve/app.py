@@ -1,0 +1,187 @@
+"""The HTTP API (FastAPI): OpenAI's chat and text completions, models, health and metrics.
+
+Every route but /health needs the API key when one is set; bodies are read up to a size limit
+and validated strictly; errors are OpenAI's JSON shape. Nothing from a request reaches the
+filesystem: the served model is fixed at start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+from collections import Counter
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import ValidationError
+from sse_starlette.sse import EventSourceResponse
+from starlette.exceptions import HTTPException
+
+from . import protocol as P
+from .errors import APIError, from_validation
+from .generation import Generation, answer, chat_events, completion_events, usage_of
+from .metrics import render, snapshot
+from .prompting import chat_ids, completion_ids
+from .requests import check_model, engine_request
+from .served import Served
+from .worker import EngineWorker
+
+OPEN_PATHS = ("/health",)
+
+
+class ServeState:
+    """What the routes share: in-flight count (the queue limit), draining flag, refusals."""
+
+    def __init__(self, max_pending: int):
+        self.max_pending = max_pending
+        self.in_flight = 0
+        self.draining = False
+        self.refused: Counter = Counter()
+        self.started = int(time.time())
+
+    def enter(self) -> None:
+        if self.draining:
+            self.refused[503] += 1
+            raise APIError(503, "the server is shutting down", code="shutting_down")
+        if self.in_flight >= self.max_pending:
+            self.refused[429] += 1
+            raise APIError(429, f"the server is at capacity ({self.max_pending} requests in flight); retry later",
+                           code="queue_full", type="rate_limit_exceeded")
+        self.in_flight += 1
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+
+
+class APIKeyMiddleware:
+    """`Authorization: Bearer KEY` on every route but /health (pure ASGI: streams pass untouched)."""
+
+    def __init__(self, app, key: str):
+        self.app, self.key = app, key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        auth = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = auth.partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):
+            return await self.app(scope, receive, send)
+        err = APIError(401, "Incorrect API key provided" if auth else "Missing API key: send Authorization: Bearer KEY",
+                       code="invalid_api_key")
+        await JSONResponse(err.to_json(), 401)(scope, receive, send)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 past `limit` bytes (by Content-Length, or while it streams)."""
+    declared = request.headers.get("content-length", "")
+    too_big = APIError(413, f"the request body is larger than the limit of {limit} bytes", code="request_too_large")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_big
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise too_big
+    return bytes(body)
+
+
+def create_app(worker: EngineWorker, served: Served) -> FastAPI:
+    config = served.config
+    state = ServeState(config.max_pending)
+    app = FastAPI(title="mlxkv", docs_url=None, redoc_url=None)
+    app.state.serve = state
+    if config.api_key:
+        app.add_middleware(APIKeyMiddleware, key=config.api_key)
+    if config.cors:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.cors), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
+
+    @app.exception_handler(APIError)
+    async def api_error(_, e: APIError):
+        return JSONResponse(e.to_json(), e.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException):
+        msg = f"Unknown path {request.url.path}" if e.status_code == 404 else str(e.detail)
+        return JSONResponse(APIError(e.status_code, msg, code=str(e.status_code)).to_json(), e.status_code)
+
+    async def parse(request: Request, model):
+        raw = await read_body(request, config.max_body_bytes)
+        try:
+            body = model.model_validate_json(raw or b"null")
+        except ValidationError as e:
+            raise from_validation(e.errors(include_url=False)) from None
+        check_model(body, served)
+        return body
+
+    async def start(body, ids: list[int], rid: str) -> Generation:
+        req = engine_request(body, rid, ids, served)
+        state.enter()
+        gen = Generation(worker, req, state.leave)
+        try:
+            await gen.accepted()
+        except BaseException:
+            gen.close()
+            raise
+        return gen
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await parse(request, P.ChatRequest)
+        rid = P.new_id("chatcmpl")
+        gen = await start(body, chat_ids(served.tokenizer, body.messages), rid)
+        include = bool(body.stream_options and body.stream_options.include_usage)
+        if body.stream:
+            return EventSourceResponse(chat_events(gen, rid, served.name, include), ping=15)
+        try:
+            c = await answer(gen, request.receive)
+        finally:
+            gen.close()
+        if c is None:
+            return Response(status_code=499)
+        return P.chat_response(rid, served.name, c.text, c.finish_reason, usage_of(c))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await parse(request, P.CompletionRequest)
+        rid = P.new_id("cmpl")
+        gen = await start(body, completion_ids(served.tokenizer, body.prompt, served.vocab), rid)
+        include = bool(body.stream_options and body.stream_options.include_usage)
+        if body.stream:
+            return EventSourceResponse(completion_events(gen, rid, served.name, include), ping=15)
+        try:
+            c = await answer(gen, request.receive)
+        finally:
+            gen.close()
+        if c is None:
+            return Response(status_code=499)
+        return P.completion_response(rid, served.name, c.text, c.finish_reason, usage_of(c))
+
+    def model_card() -> dict:
+        return {"id": served.name, "object": "model", "created": state.started, "owned_by": "mlxkv"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != served.name:
+            raise APIError(404, f"The model '{model_id}' does not exist", "model", "model_not_found")
+        return model_card()
+
+    @app.get("/health")
+    async def health():
+        ok = worker.alive and not state.draining
+        return JSONResponse({"status": "ok" if ok else "unavailable"}, 200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        gauges = await asyncio.wrap_future(worker.call(snapshot))
+        return PlainTextResponse(render(worker.metrics, gauges, state.refused, state.in_flight),
+                                 media_type="text/plain; version=0.0.4")
+
+    return app

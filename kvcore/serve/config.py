@@ -1,0 +1,52 @@
+"""ServeConfig: everything `mlxkv serve` is started with, validated before the model loads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import MlxkvError
+from ..policy import KVOptions
+
+DEFAULT_BODY_BYTES = 4 * 2**20
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model: str | None = None
+    dtype: str | None = None
+    kv: KVOptions = field(default_factory=KVOptions)
+    host: str = "127.0.0.1"
+    port: int = 8080
+    batch_size: int = 8
+    max_kv_bytes: int | None = None  # None: the device's default budget
+    max_queue: int = 64  # requests waiting beyond the running batch; more are refused (429)
+    api_key: str | None = field(default=None, repr=False)
+    max_body_bytes: int = DEFAULT_BODY_BYTES
+    max_tokens: int = 512  # a chat request's default (a completion's is OpenAI's 16)
+    prefill_chunk: int = 512
+    model_name: str | None = None  # the id clients name (default: the model's)
+    cors: tuple[str, ...] = ()
+    shutdown_timeout: float = 30.0  # seconds running rows get to finish on SIGINT/SIGTERM
+
+    def __post_init__(self):
+        if not 0 <= self.port < 65536:
+            raise MlxkvError(f"--port must be in 0..65535, got {self.port}")
+        if self.batch_size < 1:
+            raise MlxkvError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if self.max_queue < 0:
+            raise MlxkvError(f"--max-queue must be >= 0, got {self.max_queue}")
+        if self.max_body_bytes < 1024:
+            raise MlxkvError(f"--max-body-bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.max_tokens < 1:
+            raise MlxkvError(f"--max-tokens must be >= 1, got {self.max_tokens}")
+        if self.prefill_chunk < 1:
+            raise MlxkvError(f"--prefill-chunk must be >= 1, got {self.prefill_chunk}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise MlxkvError("--api-key must not be empty")
+        if self.shutdown_timeout < 0:
+            raise MlxkvError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")
+
+    @property
+    def max_pending(self) -> int:
+        """Requests in flight at most: the running batch plus the queue."""
+        return self.batch_size + self.max_queue

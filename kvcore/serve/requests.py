@@ -1,0 +1,103 @@
+"""A validated request body -> the engine's Request: prompt ids, token limits, sampling, stops.
+Fields OpenAI defines that this build cannot honour yet are refused by name, never ignored."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from ..engine import Request, SamplingConfig
+from ..errors import MlxkvError
+from .errors import APIError, bad_request
+from .protocol import ChatRequest, CompletionRequest
+from .served import Served
+
+_ENGINE_FIELDS = {f.name for f in fields(SamplingConfig)}
+# request field -> (its neutral value, the SamplingConfig field that honours it)
+_OPTIONAL_SAMPLING = {
+    "top_k": (0, "top_k"),
+    "repetition_penalty": (1.0, "repetition_penalty"),
+    "presence_penalty": (0.0, "presence_penalty"),
+    "frequency_penalty": (0.0, "frequency_penalty"),
+    "logit_bias": ({}, "logit_bias"),
+}
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+def check_model(body, served: Served) -> None:
+    if body.model != served.name:
+        raise APIError(404, f"The model '{body.model}' does not exist (this server serves '{served.name}')",
+                       "model", "model_not_found")
+
+
+def unsupported(body) -> None:
+    """400 for fields set to something this server does not do (yet)."""
+    def refuse(field: str, what: str):
+        raise bad_request(f"'{field}': {what} is not supported by this server yet", field, "unsupported_parameter")
+
+    if body.n not in (None, 1):
+        refuse("n", "more than one choice")
+    if isinstance(body, ChatRequest):
+        if body.logprobs or body.top_logprobs:
+            refuse("logprobs" if body.logprobs else "top_logprobs", "logprobs")
+        if body.response_format is not None and body.response_format.get("type") != "text":
+            refuse("response_format", "a response format other than text")
+        if body.tools:
+            refuse("tools", "tool calling")
+        if body.tool_choice not in (None, "none", "auto"):
+            refuse("tool_choice", "forcing a tool")
+    else:
+        if body.echo:
+            refuse("echo", "echoing the prompt")
+        if body.logprobs:
+            refuse("logprobs", "logprobs")
+        if body.suffix:
+            refuse("suffix", "a suffix (insertion)")
+        if body.best_of not in (None, 1):
+            refuse("best_of", "best_of")
+    for name, (neutral, field) in _OPTIONAL_SAMPLING.items():
+        value = getattr(body, name)
+        if value is not None and value != neutral and field not in _ENGINE_FIELDS:
+            refuse(name, name.replace("_", " "))
+
+
+def sampling(body) -> SamplingConfig:
+    kw = {"temp": 1.0 if body.temperature is None else body.temperature,
+          "top_p": 1.0 if body.top_p is None else body.top_p,
+          "min_p": body.min_p or 0.0, "seed": body.seed}
+    for name, (neutral, field) in _OPTIONAL_SAMPLING.items():
+        value = getattr(body, name)
+        if value is not None and field in _ENGINE_FIELDS:
+            kw[field] = {int(k): v for k, v in value.items()} if name == "logit_bias" else value
+    try:
+        return SamplingConfig(**kw)
+    except (MlxkvError, ValueError, TypeError) as e:
+        raise bad_request(str(e).replace("--temp", "temperature").replace("--", ""), code="invalid_value") from None
+
+
+def max_tokens(body, prompt_len: int, served: Served, default: int) -> int:
+    """The completion's token limit: asked (checked against the context) or the default (clamped to it)."""
+    param = "messages" if isinstance(body, ChatRequest) else "prompt"
+    asked = body.max_completion_tokens if isinstance(body, ChatRequest) and body.max_completion_tokens is not None \
+        else body.max_tokens
+    ctx = served.context
+    if prompt_len == 0:
+        raise bad_request(f"'{param}' is empty after tokenization", param)
+    if ctx and prompt_len >= ctx:
+        raise bad_request(f"This model's maximum context length is {ctx} tokens; the {param} have {prompt_len} "
+                          f"tokens", param, "context_length_exceeded")
+    if asked is None:
+        return min(default, ctx - prompt_len) if ctx else default
+    if ctx and prompt_len + asked > ctx:
+        raise bad_request(f"This model's maximum context length is {ctx} tokens; you requested {prompt_len + asked} "
+                          f"tokens ({prompt_len} in the {param}, {asked} for the completion)", param,
+                          "context_length_exceeded")
+    return asked
+
+
+def engine_request(body, rid: str, ids: list[int], served: Served) -> Request:
+    unsupported(body)
+    default = served.config.max_tokens if isinstance(body, ChatRequest) else COMPLETION_DEFAULT_MAX_TOKENS
+    n = max_tokens(body, len(ids), served, default)
+    cfg = sampling(body)
+    # the engine's own (greedy) settings: None keeps the row on the batch's shared sampler
+    return Request(tuple(ids), n, rid, body.stops(), sampling=None if cfg == SamplingConfig() else cfg)

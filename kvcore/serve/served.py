@@ -1,0 +1,57 @@
+"""The served model: loaded once (in the engine thread), with its KV policy, admission budget and
+limits; it builds the Engine the worker steps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from ..distributed import load_for_run
+from ..engine import Engine, GenerateConfig
+from ..models import trained_context
+from ..policy import KVPolicy, resolve_policy
+from ..run_batch import BatchOptions, admission
+from .config import ServeConfig
+
+
+@dataclass
+class Served:
+    lm: object  # LoadedModel
+    policy: KVPolicy
+    budget: int
+    need: Callable[[list[int]], int]
+    config: ServeConfig
+
+    @property
+    def tokenizer(self):
+        return self.lm.tokenizer
+
+    @property
+    def name(self) -> str:
+        if self.config.model_name:
+            return self.config.model_name
+        src = self.lm.source
+        return Path(src).name if Path(src).expanduser().exists() else src
+
+    @property
+    def context(self) -> int | None:
+        return trained_context(self.lm.config)
+
+    @property
+    def vocab(self) -> int:
+        cfg = self.lm.config
+        text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+        return int(text.get("vocab_size") or 2**31)
+
+    def new_engine(self) -> Engine:
+        c = self.config
+        return Engine(self.lm.model, self.lm.tokenizer, self.policy, c.batch_size,
+                      GenerateConfig(prefill_chunk=c.prefill_chunk), kv_budget=self.budget, batch_need=self.need)
+
+
+def load_served(config: ServeConfig) -> Served:
+    policy = resolve_policy(config.kv)
+    lm, _ = load_for_run(config.model, config.dtype, repr(config))
+    _, budget, need = admission(lm, policy, BatchOptions(config.batch_size, config.max_kv_bytes), config.prefill_chunk)
+    return Served(lm, policy, budget, need, config)

@@ -1,0 +1,69 @@
+"""`mlxkv serve`: parse -> ServeConfig -> kvcore.serve.serve (an OpenAI-compatible server)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from kvcore.models import dtype_name
+from kvcore.policy import KVOptions, resolve_policy
+from kvcore.units import format_bytes, parse_bytes
+
+from .hub import fetch_model
+from .options import (DtypeOpt, KeepOpt, KvBitsOpt, KvConfigOpt, KvGroupOpt, KvOpt, KvStartOpt, MaxKvOpt, ModelOpt,
+                      OfflineOpt, ProfileOpt)
+from .output import err
+
+
+def serve(
+    model: ModelOpt = None,
+    dtype: DtypeOpt = None,
+    host: Annotated[str, typer.Option(help="Address to listen on (127.0.0.1: this machine only; 0.0.0.0: every interface).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on (0: any free port).")] = 8080,
+    batch_size: Annotated[int, typer.Option(help="Most rows decoding together (continuous batching).")] = 8,
+    max_kv_bytes: Annotated[Optional[str], typer.Option(help="KV budget for admitting rows, e.g. 2GB (default: the GPU's working set or half of RAM).")] = None,
+    max_queue: Annotated[int, typer.Option(help="Requests waiting beyond the running batch; more are refused with 429.")] = 64,
+    api_key: Annotated[Optional[str], typer.Option(envvar="MLXKV_API_KEY", show_envvar=True, help="Require `Authorization: Bearer KEY` on every route but /health.")] = None,
+    max_body_bytes: Annotated[str, typer.Option(help="Largest request body (413 beyond it).")] = "4MiB",
+    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="A chat request's max_tokens when it sets none (clamped to the context).")] = 512,
+    prefill_chunk: Annotated[int, typer.Option(help="Prompt tokens per forward pass (one chunk between decode steps).")] = 512,
+    served_model_name: Annotated[Optional[str], typer.Option(help="The model id clients name (default: the model's name).")] = None,
+    cors: Annotated[Optional[list[str]], typer.Option(help="Allow browser requests from this origin (repeatable; default: none).")] = None,
+    shutdown_timeout: Annotated[float, typer.Option(help="Seconds running requests get to finish on SIGINT/SIGTERM.")] = 30.0,
+    kv: KvOpt = None,
+    kv_bits: KvBitsOpt = None,
+    kv_group_size: KvGroupOpt = None,
+    quantized_kv_start: KvStartOpt = None,
+    kv_config: KvConfigOpt = None,
+    max_kv_size: MaxKvOpt = None,
+    kv_keep: KeepOpt = None,
+    profile: ProfileOpt = None,
+    offline: OfflineOpt = False,
+):
+    """Serve the model over an OpenAI-compatible HTTP API (needs the serve extra)."""
+    from kvcore.serve import ServeConfig, require_extra
+    from kvcore.serve import serve as run_server
+
+    require_extra()
+    config = ServeConfig(
+        model=model, dtype=dtype_name(dtype),
+        kv=KVOptions(kv_bits, kv_group_size, quantized_kv_start, str(kv_config) if kv_config else None,
+                     max_kv_size, kv_keep, profile, kv),
+        host=host, port=port, batch_size=batch_size,
+        max_kv_bytes=parse_bytes(max_kv_bytes, "--max-kv-bytes") if max_kv_bytes else None,
+        max_queue=max_queue, api_key=api_key, max_body_bytes=parse_bytes(max_body_bytes, "--max-body-bytes"),
+        max_tokens=max_tokens, prefill_chunk=prefill_chunk, model_name=served_model_name,
+        cors=tuple(cors or ()), shutdown_timeout=shutdown_timeout,
+    )
+    resolve_policy(config.kv)  # bad KV flags fail before any download
+    fetch_model(model, offline)
+
+    def ready(served, bound_port: int):
+        shown = f"[{host}]" if ":" in host else host
+        err.print(f"serving {served.name} on http://{shown}:{bound_port}/v1 | batch {batch_size} | "
+                  f"KV {served.policy.label()} | KV budget {format_bytes(served.budget)}"
+                  f"{' | API key required' if api_key else ''} (Ctrl+C stops)")
+
+    run_server(config, on_ready=ready)
+    err.print("server stopped")
