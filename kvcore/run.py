@@ -10,9 +10,11 @@ import mlx.core as mx
 from .attention.hook import attention_stats, bind
 from .backend import backend_name, versions
 from .engine import GenerateConfig, Request, SamplingConfig, generate_one, kv_summary
-from .engine.prompt import encode_continuation, encode_prompt
+from .engine.chat import continue_chat, conversation, held_ids, save_conversation
+from .engine.prompt import encode_continuation, encode_prompt, has_chat_template
 from .errors import MlxkvError
 from .distributed import launched, load_for_run, on_every_rank
+from .engine.forward import cache_offset
 from .policy import KVOptions, build_caches, resolve_policy
 from .resume import open_for_model, run_sharding, save_after_run, start_from_cache
 from .store import Sharding, rank_path
@@ -94,10 +96,16 @@ def run_generate(job: GenerateJob, on_text: Callable[[str], None] | None = None,
     kv_policy = {"source": policy.source, "codec": policy.label(), "start": policy.start,
                  "max_kv_size": policy.max_kv_size}
     for i, text in enumerate(job.prompts):
-        if cached is not None and job.continue_mode == "append":
-            ids = cached.prefix_ids + encode_continuation(lm.tokenizer, text, job.chat_continue)
+        messages = None  # the conversation the context renders, when it is one (saved beside --save-cache)
+        if cached is not None and job.continue_mode == "append" and job.chat_continue:
+            ids, messages = continue_chat(lm.tokenizer, job.load_cache, cached.prefix_ids, text, job.system,
+                                          use_file=layout.single)
+        elif cached is not None and job.continue_mode == "append":
+            ids = cached.prefix_ids + encode_continuation(lm.tokenizer, text)
         else:
             ids = encode_prompt(lm.tokenizer, text, job.system, job.chat_template)
+            if job.chat_template and has_chat_template(lm.tokenizer):
+                messages = conversation([{"role": "user", "content": text}], job.system)
         if not ids:
             raise MlxkvError(f"prompt {i} is empty after tokenization")
         feed, compresses = ids, policy.compresses
@@ -121,6 +129,9 @@ def run_generate(job: GenerateJob, on_text: Callable[[str], None] | None = None,
             _, size = on_every_rank(dist, "saving the cache files",
                                     lambda: save_after_run(job.save_cache, lm, caches, ids, done, layout))
             note(_saved(job.save_cache, size, layout))
+            if messages is not None and layout.single:
+                save_conversation(job.save_cache, messages + [{"role": "assistant", "content": done.text}],
+                                  held_ids(ids, done, cache_offset(caches)))
     converted = any(getattr(c, "converted", False) and c.key_codec is not None for c in caches)
     summary = {
         "type": "summary",
