@@ -17,10 +17,11 @@ from typing import Callable
 import mlx.core as mx
 
 from .backend import backend_name, versions
+from .bench.fit import layer_shapes
 from .errors import MlxkvError
 from .fidelity import Fidelity, TokenStats, pool, teacher_forced_logprobs, token_stats
 from .fidelity_bytes import KVBytes, kv_bytes
-from .fidelity_schemes import Scheme, parse_schemes
+from .fidelity_schemes import Scheme, parse_schemes, scheme_note
 from .models import load_model, parse_dtype
 from .policy import KVPolicy, build_caches
 
@@ -55,9 +56,10 @@ class SchemeRow:
     kv: list[KVBytes] = field(default_factory=list)
     seconds: float = 0.0
     error: str | None = None
+    note: str | None = None  # why the scheme cannot suit the model (fidelity_schemes.scheme_note)
 
     def to_json(self) -> dict:
-        out = {"scheme": self.scheme, "engine": self.engine, "error": self.error}
+        out = {"scheme": self.scheme, "engine": self.engine, "error": self.error, "note": self.note}
         if self.error is not None or not self.stats:
             return out
         f: Fidelity = pool(self.stats)
@@ -146,7 +148,8 @@ def run_fidelity(job: FidelityJob, on_progress: Callable[[int, int, str], None] 
     schemes = parse_schemes(job.schemes, job.baselines)  # bad schemes fail before the model loads
     lm = load_model(job.model, job.dtype)
     windows = text_windows(lm.tokenizer, job)
-    rows = [SchemeRow(s.name, s.engine) for s in schemes]
+    shapes = layer_shapes(lm.config)
+    rows = [SchemeRow(s.name, s.engine, note=scheme_note(s.policy, shapes)) for s in schemes]
     total, done = len(windows) * (len(schemes) + 1), 0
     for name, tokens in windows:
         ref = teacher_forced_logprobs(lm.model, tokens, build_caches(lm.model, KVPolicy())[0], job.chunk)

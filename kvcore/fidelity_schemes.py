@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
+from .codecs import make_codec
 from .errors import MlxkvError
 from .policy import KVOptions, KVPolicy, build_caches, resolve_policy
 from .policy.kv_spec import parse_kv
@@ -71,3 +72,27 @@ def parse_schemes(text: str, baselines: bool = True) -> list[Scheme]:
 def _has_baseline(p: KVPolicy) -> bool:
     return (p.layer_codecs is None and p.codec.name == "affine" and p.value_codec is None
             and not p.recent and p.max_kv_size is None)
+
+
+NOTE_BITS = 1.0  # metadata per element at which a codec cannot suit a model's head dim
+
+
+def scheme_note(policy: KVPolicy | None, shapes: list) -> str | None:
+    """Why a scheme cannot suit this model, if it cannot: its codec's per-vector metadata alone costs
+    NOTE_BITS or more bits per element at the model's head dim (a rotation codec at head_dim 8 pays
+    2 bits for its norm, where affine groups each channel over tokens for 0.5)."""
+    if policy is None:
+        return None
+    for i, s in enumerate(shapes):
+        if s.kind == "other":
+            continue
+        for spec in (policy.codec_for(i), policy.value_codec_for(i)):
+            if not spec.compresses:
+                continue
+            codec = make_codec(spec, s.head_dim)
+            over = 8 * codec.bytes_per_token(1) / s.head_dim - spec.bits
+            if over >= NOTE_BITS:
+                rot = ", and a rotation of so few dims spreads little" if hasattr(codec, "rotation") else ""
+                return (f"{spec.name} at head_dim {s.head_dim}: its metadata alone costs {over:.2f} bits/element"
+                        f"{rot}; it cannot suit this model")
+    return None

@@ -53,6 +53,9 @@ def render(report: dict, console: Console) -> None:
             cells = cells[:2] + [""] * (len(COLUMNS) - 2)
         t.add_row(*cells, *([f"[red]{escape(r['error'] or '')}[/red]"] if errors else []))
     console.print(t)
+    for r in report["rows"]:
+        if r.get("note"):
+            console.print(f"note: {r['scheme']}: {r['note']}")
     ok = [r for r in report["rows"] if r["error"] is None and "ppl_reference" in r]
     if ok:
         console.print(f"reference perplexity {ok[0]['ppl_reference']:.3f}; KL in nats per token, "
@@ -72,7 +75,7 @@ def _progress(err: Console):
 
 
 def fidelity(
-    text: Annotated[list[Path], typer.Option("--text", "-t", help="Held-out text file (repeatable).")],
+    text: Annotated[Optional[list[Path]], typer.Option("--text", "-t", help="Held-out text file (repeatable). Default: the public-domain sample shipped with mlxkv.")] = None,
     model: ModelOpt = None,
     kv: Annotated[str, typer.Option("--kv", help="Comma-separated KV schemes (full, affine:8, affine:4/g32, turbo:k4v3, turbo:4/r16, config:FILE, mlx-lm:affine:4).")] = "full,affine:8,affine:4,turbo:k4v3",
     chunk: Annotated[int, typer.Option(help="Tokens per teacher-forced forward pass.")] = 64,
@@ -88,7 +91,7 @@ def fidelity(
     if output is not None:
         check_target(output)
     fetch_model(model, offline)
-    job = FidelityJob([str(t) for t in text], kv, model, dtype, chunk, windows, window_tokens, baselines)
+    job = FidelityJob([str(t) for t in text or ()], kv, model, dtype, chunk, windows, window_tokens, baselines)
     with _progress(Console(stderr=True, highlight=False)) as progress:
         report = run_fidelity(job, progress).to_json()
     if output is not None:
