@@ -1,6 +1,8 @@
 """`generate --load-cache / --save-cache`: start a run from a saved cache, save one after it.
 
 Under several ranks each rank saves and opens its own file (its KV heads), named by `rank_path`.
+mlx-lm's own prompt-cache files are converted on load (store/mlx_lm_load.py): they hold no token
+ids, so only a raw continuation follows them, and their model check is weaker (a notice says both).
 The loaded cache keeps the KV policy it was saved with (flags that ask for another one get a
 note). Its tokens are reused as far as they agree with the new context; where rolling back
 is impossible (a wrapped sliding window, SSM state) the context is prefilled from scratch.
@@ -18,6 +20,7 @@ from .errors import MlxkvError
 from .policy import KVPolicy, LayerPlan, plan_layers
 from .store import (CacheFile, Sharding, check_fingerprint, check_sharding, local_kv_heads, model_fingerprint,
                     open_cache_file, rank_path, save_cache)
+from .store.mlx_lm_load import UNKNOWN, MlxLmCache, is_mlx_lm_cache, open_mlx_lm_cache
 
 
 @dataclass
@@ -37,6 +40,8 @@ def run_sharding(lm, ranks: int, rank: int) -> Sharding:
 def open_for_model(path: str | Path, lm, sharding: Sharding = Sharding()) -> CacheFile:
     """Open and check this rank's file of the cache `path`; refuse one made for another model or
     tokenizer, or for another rank layout."""
+    if is_mlx_lm_cache(path):
+        return open_mlx_lm_cache(path, lm, sharding)
     mine = rank_path(path, sharding.rank, sharding.ranks)
     if mine != Path(path) and not mine.exists():
         raise MlxkvError(f"cannot continue from {path}: rank {sharding.rank}'s file {mine} not found (a cache saved "
@@ -67,6 +72,15 @@ def start_from_cache(cf: CacheFile, context: list[int], model, asked: KVPolicy |
     """Caches holding as much of `context` as the file allows, and what is left to prefill.
 
     `asked`: the policy the user's KV flags give (None when no KV flag was given)."""
+    if isinstance(cf, MlxLmCache):
+        if context[: len(cf.prefix_ids)] != cf.prefix_ids:
+            raise MlxkvError(f"{cf.path} is an mlx-lm prompt cache: it holds no token ids, so a prompt cannot be "
+                             f"matched against it; continue it with -p (text after the cached tokens), not "
+                             f"--prompt-file")
+        if len(context) == len(cf.prefix_ids):
+            raise MlxkvError(f"{cf.path} is an mlx-lm prompt cache: give -p text to continue with (its last token "
+                             f"cannot be fed again: its id is unknown)")
+        note(cf.notice)
     plan = cf.plan()
     if asked is not None:
         wanted = plan_layers(model, asked)
@@ -91,6 +105,9 @@ def save_after_run(path: str | Path, lm, caches: list, context: list[int], compl
     """Save `caches` after a run over `context` to this rank's file of `path`; they hold its tokens
     and the generated ones fed back (every one but a last token that hit --max-tokens).
     Returns the file written and its size."""
+    if UNKNOWN in context:
+        raise MlxkvError("cannot save the caches: they continue an mlx-lm prompt cache, whose token ids are unknown "
+                         "(an mlxkv cache file records them)")
     fed = context + completion.token_ids + ([completion.eos_token] if completion.eos_token is not None else [])
     n = cache_offset(caches)
     if n > len(fed):

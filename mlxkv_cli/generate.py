@@ -14,6 +14,7 @@ from kvcore.models import context_notice, dtype_name, read_config
 from kvcore.policy import KVOptions, resolve_policy
 from kvcore.run import GenerateJob, run_generate
 from kvcore.run_batch import BatchOptions, run_batch
+from kvcore.store.mlx_lm_load import is_mlx_lm_cache
 from kvcore.units import parse_bytes
 
 from . import output
@@ -89,6 +90,9 @@ def generate(
         parse_bytes(max_kv_bytes, "--max-kv-bytes")
     if (save_cache or load_cache) and (len(specs) > 1 or prompts_file is not None):
         raise MlxkvError("--save-cache and --load-cache take exactly one prompt")
+    if save_cache and load_cache and is_mlx_lm_cache(load_cache):
+        raise MlxkvError(f"--save-cache after --load-cache {load_cache}: an mlx-lm prompt cache holds no token ids, "
+                         f"so the continued caches could not be saved with theirs")
     resolve_policy(job.kv)  # bad KV flags fail before any download
     fetch_model(model, offline)
     fetch_model(draft_model, offline)

@@ -4,9 +4,9 @@ import json
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
+from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
 
-from helpers import ours, per_family
+from helpers import mlx_lm_greedy, ours, per_family
 from kvcore.engine.prompt import encode_continuation
 from kvcore.policy import KVOptions, resolve_policy
 from kvcore.policy.kv_spec import parse_kv
@@ -110,7 +110,7 @@ def test_inspect_table_with_model(loaded, tmp_path):
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3", "qwen3_5"])
-def test_mlx_lm_prompt_cache_is_inspected_not_loaded(loaded, tmp_path, family):
+def test_mlx_lm_prompt_cache_is_inspected_and_continued(loaded, tmp_path, family):
     path, model, tok = loaded(family)
     ids = tok.encode(DOC)
     cache = make_prompt_cache(model)
@@ -127,8 +127,12 @@ def test_mlx_lm_prompt_cache_is_inspected_not_loaded(loaded, tmp_path, family):
     if "ArraysCache" in kinds:
         assert kinds["ArraysCache"]["kind"] == "state" and kinds["ArraysCache"]["bytes"] > 0
     assert cli("inspect-cache", f).exit_code == 0
-    r = cli("generate", "-m", path, "-p", "x", "--load-cache", f)
-    assert r.exit_code == 1 and "an mlx-lm prompt cache" in r.stderr
+    # --load-cache converts it (windows and SSM state too) and continues as mlx-lm does from it
+    r = cli("generate", "-m", path, "-p", MORE, "--load-cache", f, "-n", "6", "--json")
+    assert r.exit_code == 0 and "continuing from an mlx-lm prompt cache" in r.stderr, r.output
+    theirs, _ = mlx_lm_greedy(model, encode_continuation(tok, MORE), 6, load_prompt_cache(str(f)))
+    stop = next((i for i, t in enumerate(theirs) if t in tok.eos_token_ids), len(theirs))
+    assert json.loads(r.stdout.splitlines()[0])["token_ids"] == theirs[:stop]
 
 
 def test_convert_refusals(loaded, tmp_path):

@@ -152,8 +152,8 @@ def open_cache_file(path: str | Path) -> CacheFile:
     raw = c.metadata.get(META_KEY)
     if raw is None:
         if looks_like_mlx_lm(c.metadata):
-            raise fail("an mlx-lm prompt cache, not an mlxkv cache (inspect-cache reads it; generate cannot "
-                       "continue from it)")
+            raise fail("an mlx-lm prompt cache, not an mlxkv cache (inspect-cache reads it, generate --load-cache "
+                       "continues from it; convert-kv takes mlxkv caches)")
         raise fail(f"not an mlxkv cache (no {META_KEY!r} metadata)")
     digest = c.metadata.get(SUM_KEY)
     if digest is not None and digest != _text_sha256(raw):
