@@ -28,6 +28,7 @@ from .served import Served
 from .worker import EngineWorker
 
 OPEN_PATHS = ("/health",)
+DRAIN_BYTES = 64 * 2**20  # an oversized body up to this size is read (and dropped) before the 413
 
 
 class ServeState:
@@ -76,13 +77,17 @@ async def read_body(request: Request, limit: int) -> bytes:
     """The body, refused with 413 past `limit` bytes (by Content-Length, or while it streams)."""
     declared = request.headers.get("content-length", "")
     too_big = APIError(413, f"the request body is larger than the limit of {limit} bytes", code="request_too_large")
-    if declared.isdigit() and int(declared) > limit:
-        raise too_big
-    body = bytearray()
+    if declared.isdigit() and int(declared) > max(limit, DRAIN_BYTES):
+        raise too_big  # answered at once (the client may see the connection close)
+    body, seen = bytearray(), 0
     async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise too_big
+        seen += len(chunk)
+        if seen <= limit:
+            body += chunk
+        elif seen > max(limit, DRAIN_BYTES):
+            break
+    if seen > limit:  # the rest was read and dropped, so the client reads the 413 before the close
+        raise too_big
     return bytes(body)
 
 

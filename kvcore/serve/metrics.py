@@ -20,7 +20,6 @@ class EngineMetrics:
         self.generated = 0
         self.decode_steps = 0
         self.peak_rows = 0  # most rows in one decode step
-        self.aborted = 0
         self.finish = Counter()
         self.recent: deque[tuple[float, int]] = deque()
 

@@ -33,8 +33,13 @@ def require_extra() -> None:
                              f"pip install 'mlxkv[serve]'") from None
 
 
-def _uvicorn_server(app, config: ServeConfig, sock: socket.socket | None = None, log_level: str = "info"):
+def _uvicorn_server(app, config: ServeConfig, log_level: str = "info"):
     import uvicorn
+    from sse_starlette.sse import AppStatus
+
+    # streams run to their end on shutdown (uvicorn cancels what is left after the timeout);
+    # sse-starlette would otherwise cut them at the signal
+    AppStatus.disable_automatic_graceful_drain()
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):

@@ -107,15 +107,14 @@ class EngineWorker:
         try:
             self.engine.add_request(request)
         except MlxkvError as e:  # a row that can never fit the KV budget
-            push(APIError(400, f"prompt too long for the KV budget: {e}", "messages", "context_length_exceeded"))
+            push(APIError(400, f"prompt too long for the KV budget: {e}", code="context_length_exceeded"))
             return
         self._sinks[request.id] = push
         self.metrics.added(len(request.prompt_ids))
         push(ACCEPTED)
 
     def _abort(self, request_id: str, _) -> None:
-        if self.engine.abort(request_id):
-            self.metrics.aborted += 1
+        self.engine.abort(request_id)
 
     def _call(self, fn: Callable, fut: Future) -> None:
         if not fut.set_running_or_notify_cancel():
