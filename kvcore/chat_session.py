@@ -43,6 +43,7 @@ class ChatSession:
         self.max_tokens, self.chunk = max_tokens, prefill_chunk
         self.note = on_notice or (lambda msg: None)
         self.turns = 0
+        self.last: Turn | None = None  # the last turn's figures
         self.reset()
 
     # -- state ----------------------------------------------------------------------
@@ -52,6 +53,7 @@ class ChatSession:
         self.ids: list[int] = []  # the tokens the caches hold
         self.messages: list[dict] | None = conversation([], self.system)  # None: unknown (a bare cache file)
         self.source = "new"
+        self.turns, self.last = 0, None
 
     def stats(self) -> dict:
         return {"tokens": len(self.ids), "turns": self.turns, "source": self.source, **kv_summary(self.caches)}
@@ -66,11 +68,12 @@ class ChatSession:
     def ask(self, text: str, on_text: Callable[[str], None] | None = None, max_tokens: int | None = None) -> Turn:
         """Answer `text`; a KeyboardInterrupt stops the answer (finish reason "abort"), not the session."""
         context = self.context_for(text)
-        kept = self._reuse(context)
-        feed = context[kept:]
-        seq = Sequence(Request(tuple(feed), max_tokens or self.max_tokens), self.lm.tokenizer, self.sampling)
-        model = self.lm.model
+        seq = Sequence(Request(tuple(context), max_tokens or self.max_tokens), self.lm.tokenizer, self.sampling)
+        model, kept, feed = self.lm.model, 0, context
         try:
+            kept = self._reuse(context)
+            feed = context[kept:]
+            seq.out.prompt_tokens = len(feed)
             logits = prefill(model, feed, self.caches, self.chunk)
             mx.eval(logits)
             seq.started()
@@ -91,7 +94,8 @@ class ChatSession:
         if self.messages is not None:
             self.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": seq.out.text}]
         self.turns += 1
-        return Turn(seq.out, kept, len(feed))
+        self.last = Turn(seq.out, kept, len(feed))
+        return self.last
 
     def _reuse(self, context: list[int]) -> int:
         reuse = reuse_prefix(self.caches, self.ids, context)
