@@ -1,163 +1,295 @@
-"""Fused decode attention over affine-packed KV on CUDA (`mx.fast.cuda_kernel`).
+"""Fused decode attention over compressed KV on CUDA (`mx.fast.cuda_kernel`), beside the portable path.
 
-An accelerator beside the portable path, for a few queries over per-token affine K/V with
-bits in {2, 4, 8}: each thread block takes one (split of the KV length, KV head, row),
-dequantizes its keys and values in registers, and writes a partial softmax (max, sum,
-weighted values) per query head; the splits are merged with MLX ops (flash decoding).
-Selected at run time: only on CUDA, only when the caches' AttentionConfig has `cuda_kernel`
-(MLXKV_CUDA_DECODE=1 sets its default; opt-in until its
-speed is confirmed on the H200: the first version there was correct but recompiled as the
-context grew), and only after a self-check against the portable path on the device has
-passed; any failure disables it and the portable path runs.
+For up to 8 queries per row (decode, speculative verify) over per-token K/V: every stored
+segment of a view (encoded affine 2-8 bits or TurboQuant in the rotated basis, dense sink /
+recent / shadow tokens, full-precision packed rows) is one launch of the kernel in
+`cuda_source.py`, which reads each packed byte once (a tile of consecutive token rows per
+block, coalesced), dequantizes in registers, serves all query heads of a KV head (GQA) and
+writes a partial softmax per split of the length; one merge launch combines the splits of
+every segment (flash decoding) and the attention sinks. Nothing syncs with the host: the
+split count comes from host ints (the buffer capacity, a segment's length), row lengths and
+bounds are device inputs, and the arrays are read in place through their strides.
+
+Selected at run time: only on CUDA, when the caches' AttentionConfig has `cuda_kernel`, and
+only for a plan (codecs, bits, head dims, GQA ratio, queries, query dtype) that passed a check
+against a float32 reference on the device the first time it was asked for (the verdict is
+kept per plan); anything else returns None and the portable path serves.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import lru_cache
+
 import mlx.core as mx
 
 from ..backend import backend_name
+from ..cache.view import ENCODED
+from ..codecs import CodecSpec
 from ..codecs.affine import AffineCodec
+from ..codecs.turbo import TurboCodec
+from . import cuda_source as src
+from .cuda_launch import BIG, DENSE_TYPES, MAX_QUERIES, THREADS, Plan, Side, token_bounds
 
-SPLIT = 256  # tokens per thread block
-THREADS = 128
-_STATE = {"kernel": None, "ok": None, "why": None}
-
-_SOURCE = r"""
-    // grid: (splits * THREADS, Hkv, B); one block per (split, kv head, row)
-    // dims = [capacity, number of splits]: runtime values, so the kernel compiles once per shape
-    const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
-    const int CAP = dims[0], NSPLIT = dims[1];
-    const int len = lengths[b];
-    const int t0 = split * SPLIT, t1 = min(t0 + SPLIT, len);
-    const int per = 32 / BITS, kwords = D / per, groups = D / G;
-    const unsigned mask = (BITS == 32) ? 0xffffffffu : ((1u << BITS) - 1u);
-    __shared__ float qs[REP][D];
-    __shared__ float sc[REP][SPLIT];
-    __shared__ float red[REP];
-    for (int i = tid; i < REP * D; i += THREADS) {
-        int r = i / D, d = i % D;
-        qs[r][d] = (float)q[((b * HQ) + h * REP + r) * D + d];
-    }
-    __syncthreads();
-    // scores: one token per thread at a time
-    for (int t = t0 + tid; t < t1; t += THREADS) {
-        size_t row = ((size_t)(b * HKV + h) * CAP + t);
-        float acc[REP];
-        for (int r = 0; r < REP; r++) acc[r] = 0.f;
-        for (int g = 0; g < groups; g++) {
-            float s = (float)ks[row * groups + g], bb = (float)kb[row * groups + g];
-            for (int w = g * (G / per); w < (g + 1) * (G / per); w++) {
-                unsigned word = kw[row * kwords + w];
-                for (int e = 0; e < per; e++) {
-                    float x = s * (float)((word >> (e * BITS)) & mask) + bb;
-                    int d = w * per + e;
-                    for (int r = 0; r < REP; r++) acc[r] += qs[r][d] * x;
-                }
-            }
-        }
-        for (int r = 0; r < REP; r++) sc[r][t - t0] = acc[r];
-    }
-    __syncthreads();
-    const int n = t1 - t0;
-    if (tid < REP) {
-        float m = -1e30f, l = 0.f;
-        for (int i = 0; i < n; i++) m = fmaxf(m, sc[tid][i]);
-        for (int i = 0; i < n; i++) l += expf(sc[tid][i] - m);
-        size_t o = ((size_t)(b * HQ) + h * REP + tid) * NSPLIT + split;
-        m_out[o] = m; l_out[o] = l;
-        red[tid] = m;
-    }
-    __syncthreads();
-    for (int i = tid; i < REP * n; i += THREADS) {
-        int r = i / n, j = i % n;
-        sc[r][j] = (n > 0) ? expf(sc[r][j] - red[r]) : 0.f;
-    }
-    __syncthreads();
-    // weighted values: one channel per thread
-    const int vwords = DV / per, vgroups = DV / G;
-    for (int d = tid; d < DV; d += THREADS) {
-        float acc[REP];
-        for (int r = 0; r < REP; r++) acc[r] = 0.f;
-        const int w = d / per, e = d % per, g = d / G;
-        for (int t = t0; t < t1; t++) {
-            size_t row = ((size_t)(b * HKV + h) * CAP + t);
-            unsigned word = vw[row * vwords + w];
-            float x = (float)vs[row * vgroups + g] * (float)((word >> (e * BITS)) & mask) + (float)vb[row * vgroups + g];
-            for (int r = 0; r < REP; r++) acc[r] += sc[r][t - t0] * x;
-        }
-        for (int r = 0; r < REP; r++) {
-            size_t o = (((size_t)(b * HQ) + h * REP + r) * NSPLIT + split) * DV + d;
-            acc_out[o] = acc[r];
-        }
-    }
-"""
+_KERNELS: dict = {}
+_VERDICTS: dict = {}  # (plan, q dtype name) -> None (admitted) or the reason it is not
+_CONST: dict = {}
+Q_TYPES = ("bfloat16", "float16", "float32")
 
 
-def applies(q: mx.array, key_codec, value_codec) -> bool:
-    if backend_name() != "cuda" or _STATE["ok"] is False or q.shape[2] != 1:
-        return False
-    for c in (key_codec, value_codec):
-        if type(c) is not AffineCodec or c.layout != "channel" or c.bits not in (2, 4, 8):
-            return False
-    return key_codec.bits == value_codec.bits and key_codec.group == value_codec.group
+def _dtype_name(dtype) -> str:
+    return str(dtype).rsplit(".", 1)[-1]
 
 
-def _kernel():
-    if _STATE["kernel"] is None:
-        _STATE["kernel"] = mx.fast.cuda_kernel(
-            name="mlxkv_affine_decode", input_names=["q", "kw", "ks", "kb", "vw", "vs", "vb", "lengths", "dims"],
-            output_names=["m_out", "l_out", "acc_out"], source=_SOURCE)
-    return _STATE["kernel"]
+@dataclass
+class Launch:
+    """One segment's kernel launch: how K/V are stored, their arrays, the rows' token bounds."""
+
+    key: Side
+    value: Side
+    k_arrays: tuple  # (words, scales, biases), dummies where a side has none
+    v_arrays: tuple
+    k_book: mx.array
+    v_book: mx.array
+    rows: mx.array  # (B, 3) int32: lo0, hi0, count (columns of this segment)
+    columns: int  # most tokens a row holds here (host int): sizes the splits
 
 
-def decode_attention(q: mx.array, key_parts, value_parts, codec, lengths: mx.array, scale: float) -> mx.array:
-    """q: (B, Hq, 1, D); parts (B, Hkv, CAP, ...) with row b valid on [0, lengths[b]) -> (B, Hq, 1, Dv)."""
-    B, Hq, _, D = q.shape
-    kw, ks, kb = key_parts
-    vw, vs, vb = value_parts
-    Hkv, cap = kw.shape[1], kw.shape[2]
-    Dv = vw.shape[-1] * 32 // codec.bits
-    nsplit = max(1, (int(mx.max(lengths).item()) + SPLIT - 1) // SPLIT)
-    m, l, acc = _kernel()(
-        inputs=[(q * scale).reshape(B, Hq, D), kw, ks, kb, vw, vs, vb, lengths.astype(mx.int32),
-                mx.array([cap, nsplit], dtype=mx.int32)],
-        template=[("HQ", Hq), ("HKV", Hkv), ("REP", Hq // Hkv), ("D", D), ("DV", Dv), ("G", codec.group),
-                  ("BITS", codec.bits), ("SPLIT", SPLIT), ("THREADS", THREADS)],
-        grid=(nsplit * THREADS, Hkv, B), threadgroup=(THREADS, 1, 1),
-        output_shapes=[(B, Hq, nsplit), (B, Hq, nsplit), (B, Hq, nsplit, Dv)],
-        output_dtypes=[mx.float32, mx.float32, mx.float32],
+def _const(key, make):
+    if key not in _CONST:
+        _CONST[key] = make()
+    return _CONST[key]
+
+
+def _dummy(dtype=mx.float16) -> mx.array:
+    return _const(("dummy", _dtype_name(dtype)), lambda: mx.zeros((1,), dtype=dtype))
+
+
+def _ints(*xs: int) -> mx.array:
+    return _const(("ints", xs), lambda: mx.array(xs, dtype=mx.int32))
+
+
+def _codec_side(codec, dim: int, rotated: bool) -> tuple[Side, mx.array] | None:
+    """(side, codebook) for a codec the kernel reads, else None."""
+    if type(codec) is AffineCodec and codec.layout == "channel":
+        return Side("affine", codec.bits, codec.group, dim), _dummy(mx.float32)
+    if type(codec) is TurboCodec and rotated and (dim * codec.bits) % 32 == 0:
+        return Side("turbo", codec.bits, dim, dim), codec.centroids
+    return None
+
+
+def _codec_arrays(side: Side, parts: tuple) -> tuple | None:
+    if side.kind == "affine":
+        w, s, b = parts
+        ok = w.dtype == mx.uint32 and s.dtype == mx.float16 and b.dtype == mx.float16
+        return (w, s, b) if ok else None
+    packed, norm = parts
+    return (packed, norm, _dummy()) if packed.dtype == mx.uint8 and norm.dtype == mx.float16 else None
+
+
+def _dense_side(x: mx.array) -> Side | None:
+    name = _dtype_name(x.dtype)
+    D = x.shape[-1]
+    if name not in DENSE_TYPES or D % 32:
+        return None
+    return Side.dense(name, D)
+
+
+def _sides(key_codec, value_codec, keys, values, dims, rotated):
+    """(key side, value side, key arrays, value arrays, books) or None."""
+    if key_codec is None and value_codec is None:
+        ks, vs = _dense_side(keys[0]), _dense_side(values[0])
+        if ks is None or vs is None:
+            return None
+        return ks, vs, (keys[0], _dummy(), _dummy()), (values[0], _dummy(), _dummy()), _dummy(mx.float32), _dummy(mx.float32)
+    if key_codec is None or value_codec is None:
+        return None
+    k, v = _codec_side(key_codec, dims[0], rotated), _codec_side(value_codec, dims[1], rotated)
+    if k is None or v is None:
+        return None
+    ka, va = _codec_arrays(k[0], keys), _codec_arrays(v[0], values)
+    if ka is None or va is None:
+        return None
+    return k[0], v[0], ka, va, k[1], v[1]
+
+
+def _rotation_ok(rotation, *codecs) -> bool:
+    """Turbo is read in the rotated basis only: the view's rotation must be the codecs' own."""
+    return all(rotation is None or getattr(c, "rotation", None) is rotation for c in codecs if c is not None)
+
+
+def view_launches(q: mx.array, view) -> list[Launch] | None:
+    """A KVView's segments as launches, or None where one is not covered."""
+    B, N = q.shape[0], q.shape[2]
+    out = []
+    for seg in view.segments:
+        if seg.length == 0:
+            continue
+        bounds = token_bounds(view.q_start, N, seg.start, seg.length, window=view.window, keep=view.keep,
+                              kind=seg.kind, block_tokens=seg.block_tokens, lag=seg.lag)
+        if bounds is None:
+            return None
+        if seg.kind == ENCODED:
+            if seg.block_tokens != 1 or not _rotation_ok(seg.rotation, seg.key_codec, seg.value_codec):
+                return None
+            sides = _sides(seg.key_codec, seg.value_codec, seg.keys, seg.values, (view.head_dim, view.value_dim),
+                           seg.rotation is not None)
+        else:
+            k, v = seg.keys, seg.values
+            if seg.rotation is not None:  # dense tokens attend in the rotated basis too (few: sinks, recent)
+                k, v = seg.rotation.forward(k), seg.rotation.forward(v)
+            sides = _sides(None, None, (k,), (v,), None, False)
+        if sides is None:
+            return None
+        rows = mx.array([list(bounds)] * B, dtype=mx.int32)
+        out.append(Launch(*sides, rows, seg.length))
+    return out or None
+
+
+def packed_launches(q: mx.array, view) -> list[Launch] | None:
+    """A PackedView (rows of one layer in shared buffers (B, H, capacity, ...)) as one launch."""
+    if not _rotation_ok(view.rotation, view.key_codec, view.value_codec):
+        return None
+    sides = _sides(view.key_codec, view.value_codec, view.key_parts, view.value_parts,
+                   (view.head_dim, view.value_dim), view.rotation is not None)
+    if sides is None:
+        return None
+    qs = view.q_start.astype(mx.int32)
+    rows = mx.stack([mx.full(qs.shape, -BIG, dtype=mx.int32), qs + 1, qs + view.n_queries], axis=1)
+    return [Launch(*sides, rows, view.key_parts[0].shape[2])]
+
+
+@lru_cache(maxsize=None)
+def plan_for(key: Side, value: Side, rep: int, n_queries: int) -> Plan:
+    return Plan(key, value, rep, n_queries)
+
+
+def _kernel(name: str, smem: int = 0):
+    key = (name, smem)
+    if key not in _KERNELS:
+        if name == "decode":
+            _KERNELS[key] = mx.fast.cuda_kernel(
+                name="mlxkv_decode", input_names=src.INPUTS, output_names=src.OUTPUTS, source=src.SOURCE,
+                header=src.HEADER, ensure_row_contiguous=False, shared_memory=smem)
+        else:
+            _KERNELS[key] = mx.fast.cuda_kernel(
+                name="mlxkv_merge", input_names=src.MERGE_INPUTS, output_names=src.MERGE_OUTPUTS,
+                source=src.MERGE_SOURCE, ensure_row_contiguous=True)
+    return _KERNELS[key]
+
+
+def partials(q: mx.array, launch: Launch, plan: Plan, scale: float, heads: int, split: tuple[int, int] | None = None):
+    """One launch: (m, l, acc) partial softmax per split, shapes from `Plan.partial_shapes`."""
+    B = q.shape[0]
+    chunk, nsplit = split or plan.splits(launch.columns, B, heads)
+    return _kernel("decode", plan.smem)(
+        inputs=[q, *launch.k_arrays, *launch.v_arrays, launch.k_book, launch.v_book, launch.rows,
+                _ints(chunk, nsplit), _const(("scale", scale), lambda: mx.array([scale], dtype=mx.float32))],
+        template=plan.template, grid=plan.grid(nsplit, heads, B), threadgroup=(THREADS, 1, 1),
+        output_shapes=plan.partial_shapes(B, heads, nsplit), output_dtypes=[mx.float32] * 3,
     )
-    # merge the splits: out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s
-    M = m.max(axis=-1, keepdims=True)
-    w = mx.exp(m - M) * (l > 0)
-    out = (w[..., None] * acc).sum(axis=2) / mx.maximum((w * l).sum(axis=-1, keepdims=True), 1e-30)
-    return out.reshape(B, Hq, 1, Dv).astype(q.dtype)
 
 
-def ready() -> bool:
-    """Run once: the kernel against the portable arithmetic on a small random case."""
-    if _STATE["ok"] is None:
-        try:
-            codec = AffineCodec(_spec(), 64)
-            k, v = mx.random.normal((2, 2, 300, 64)), mx.random.normal((2, 2, 300, 64))
-            q = mx.random.normal((2, 4, 1, 64))
-            lengths = mx.array([300, 123])
-            got = decode_attention(q, codec.encode(k), codec.encode(v), codec, lengths, 0.125)
-            kd, vd = codec.decode(codec.encode(k), mx.float32), codec.decode(codec.encode(v), mx.float32)
-            mask = (mx.arange(300)[None] < lengths[:, None])[:, None, None]  # (B, 1, 1, T)
-            want = mx.fast.scaled_dot_product_attention(q, kd, vd, scale=0.125, mask=mask)
-            _STATE["ok"] = bool(mx.allclose(got, want, atol=1e-3, rtol=1e-3).item())
-            _STATE["why"] = None if _STATE["ok"] else "self-check mismatch"
-        except Exception as e:  # a kernel that cannot build or run here: the portable path serves
-            _STATE["ok"], _STATE["why"] = False, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-    return _STATE["ok"]
+def merge(q: mx.array, parts: list, rep: int, value_dim: int, sinks: mx.array | None) -> mx.array:
+    """Combine the splits of every launch (and the sinks' logits) -> (B, Hq, N, Dv) in q's dtype."""
+    B, Hq, N, _ = q.shape
+    m, l, acc = (mx.concatenate([p[i] for p in parts], axis=2) if len(parts) > 1 else parts[0][i] for i in range(3))
+    sk = _dummy(mx.float32) if sinks is None else sinks.astype(mx.float32).reshape(-1)
+    return _kernel("merge")(
+        inputs=[m, l, acc, sk, _ints(0, m.shape[2])],
+        template=[("REP", rep), ("NQ", N), ("DV", value_dim), ("HAS_SINK", sinks is not None), ("OT", q.dtype)],
+        grid=(value_dim, Hq * N, B), threadgroup=(value_dim, 1, 1),
+        output_shapes=[(B, Hq, N, value_dim)], output_dtypes=[q.dtype],
+    )[0]
+
+
+def attend(q: mx.array, launches: list[Launch] | None, heads: int, scale: float, sinks) -> mx.array | None:
+    """The kernel's attention for these launches, or None where a plan is not admitted."""
+    if not launches or backend_name() != "cuda":
+        return None
+    B, Hq, N, _ = q.shape
+    if N > MAX_QUERIES or Hq % heads or _dtype_name(q.dtype) not in Q_TYPES:
+        return None
+    rep = Hq // heads
+    plans = [plan_for(L.key, L.value, rep, N) for L in launches]
+    if any(not admitted(p, q.dtype) for p in plans) or len({p.value.dim for p in plans}) > 1:
+        return None
+    parts = [partials(q, L, p, scale, heads) for L, p in zip(launches, plans)]
+    return merge(q, parts, rep, plans[0].value.dim, sinks)
+
+
+def view_attention(q: mx.array, view, scale: float, sinks=None) -> mx.array | None:
+    """kv_attention's kernel branch for a KVView: the output, or None (the portable path serves)."""
+    if backend_name() != "cuda" or q.shape[2] > MAX_QUERIES:
+        return None
+    return attend(q, view_launches(q, view), view.heads, scale, sinks)
+
+
+def packed_attention(q: mx.array, view, scale: float, sinks=None) -> mx.array | None:
+    """packed_attention's kernel branch for a PackedView: the output, or None."""
+    if backend_name() != "cuda" or q.shape[2] > MAX_QUERIES:
+        return None
+    return attend(q, packed_launches(q, view), view.heads, scale, sinks)
+
+
+# -- admission: each plan checked once on the device ---------------------------------------------
+def admitted(plan: Plan, q_dtype) -> bool:
+    key = (plan, _dtype_name(q_dtype))
+    if key not in _VERDICTS:
+        why = plan.why_not()
+        if why is None:
+            from .cuda_check import check_plan
+
+            try:
+                why = check_plan(plan, q_dtype)
+            except Exception as e:  # a kernel that cannot build or run here: the portable path serves
+                why = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        _VERDICTS[key] = why
+    return _VERDICTS[key] is None
 
 
 def status() -> dict:
-    return {"cuda_decode_kernel": _STATE["ok"], "reason": _STATE["why"]}
+    """Every plan asked for so far and its verdict (None: admitted)."""
+    return {describe(p, dt): why for (p, dt), why in _VERDICTS.items()}
 
 
-def _spec():
-    from ..codecs import CodecSpec
+def describe(plan: Plan, q_dtype: str = "") -> str:
+    def side(s: Side) -> str:
+        return s.dtype if s.kind == "dense" else f"{s.kind}{s.bits}" + (f"/g{s.group}" if s.kind == "affine" else "")
 
-    return CodecSpec("affine", 4, 64)
+    return (f"K {side(plan.key)} d{plan.key.dim} V {side(plan.value)} d{plan.value.dim} rep{plan.rep} "
+            f"n{plan.n_queries}" + (f" q {q_dtype}" if q_dtype else ""))
+
+
+def applies(q: mx.array, key_codec, value_codec) -> bool:
+    """Whether the kernel reads these codecs here (CUDA only; turbo also needs the rotated basis)."""
+    if backend_name() != "cuda" or q.shape[2] > MAX_QUERIES:
+        return False
+    return all(c is not None and _codec_side(c, c.head_dim, True) is not None for c in (key_codec, value_codec))
+
+
+def spec_side(spec: CodecSpec, dim: int) -> Side:
+    """The side a codec spec is stored as (for scripts that build plans)."""
+    if spec.name == "affine":
+        return Side("affine", spec.bits, spec.group_size or 64, dim)
+    return Side("turbo", spec.bits, dim, dim)
+
+
+# -- the earlier entry points (scripts/gpu_check.py) ----------------------------------------------
+def ready() -> bool:
+    return backend_name() == "cuda"
+
+
+def decode_attention(q: mx.array, key_parts, value_parts, codec, lengths: mx.array, scale: float) -> mx.array:
+    """q: (B, Hq, N, D); parts (B, Hkv, CAP, ...) with row b valid on [0, lengths[b]) -> (B, Hq, N, Dv)."""
+    from ..errors import MlxkvError
+
+    sides = _sides(codec, codec, key_parts, value_parts, (q.shape[-1], codec.head_dim), False)
+    N = q.shape[2]
+    n = lengths.astype(mx.int32)
+    rows = mx.stack([mx.full(n.shape, -BIG, dtype=mx.int32), n - N + 1, n], axis=1)
+    out = attend(q, None if sides is None else [Launch(*sides, rows, key_parts[0].shape[2])],
+                 key_parts[0].shape[1], scale, None)
+    if out is None:
+        raise MlxkvError("the CUDA decode kernel does not cover this case here")
+    return out

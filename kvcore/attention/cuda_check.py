@@ -1,0 +1,85 @@
+"""The device check that admits a kernel plan: random K/V stored as the plan says, kernel == reference.
+
+Run once per (plan, query dtype) the first time attention asks for it, on the device (the one
+host read-back is here, never in a decode step): two rows of uneven lengths, several tiles and
+splits, causal queries, a lower bound (window-like) and a lag (recent-like) on the second row,
+stored as slices of bigger buffers (read in place through strides), attention sinks; the
+reference is float32 attention over the decoded values, computed on the CPU.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..codecs import CodecSpec
+from ..codecs.affine import AffineCodec
+from ..codecs.turbo import TurboCodec
+from .blockwise import reference_attention
+from .cuda_launch import BIG, Plan, Side
+
+TOLERANCE = {"float32": 1e-4, "float16": 3e-3, "bfloat16": 1.5e-2}  # |out - ref| / |ref|
+HEADS = 2
+
+
+def random_side(side: Side, B: int, T: int, cap: int, key) -> tuple[tuple, mx.array, mx.array]:
+    """(arrays as the kernel takes them, codebook, float32 values the kernel must see): (B, HEADS, T, ...)."""
+    from .cuda_decode import _dummy
+
+    x = mx.random.normal((B, HEADS, cap, side.dim), key=key)
+    if side.kind == "affine":
+        codec = AffineCodec(CodecSpec("affine", side.bits, side.group), side.dim)
+        enc = codec.encode(x)
+        parts, book, dec = enc, _dummy(mx.float32), codec.decode(enc, mx.float32)
+    elif side.kind == "turbo":
+        codec = TurboCodec(CodecSpec("turbo", side.bits), side.dim)
+        enc = codec.encode(x)
+        parts, book, dec = (*enc, _dummy()), codec.centroids, codec.decode_rotated(enc, mx.float32)
+    else:
+        a = x.astype(getattr(mx, side.dtype))
+        parts, book, dec = (a, _dummy(), _dummy()), _dummy(mx.float32), a.astype(mx.float32)
+    cut = tuple(p[:, :, :T] if p.ndim == 4 else p for p in parts)  # slices of a bigger buffer
+    return cut, book, dec[:, :, :T]
+
+
+def check_inputs(plan: Plan, q_dtype, seed: int = 0):
+    """(q, launch, reference output, sinks, scale, split) for one random case of this plan."""
+    from .cuda_decode import Launch
+
+    B, N = 2, plan.n_queries
+    counts = (2 * plan.tile + 45, 37)
+    T = max(counts)
+    keys = mx.random.split(mx.random.key(seed), 4)
+    ka, kbook, kd = random_side(plan.key, B, T, T + 19, keys[0])
+    va, vbook, vd = random_side(plan.value, B, T, T + 19, keys[1])
+    q = mx.random.normal((B, HEADS * plan.rep, N, plan.key.dim), key=keys[2]).astype(q_dtype)
+    sinks = mx.random.normal((HEADS * plan.rep,), key=keys[3])
+    bounds = [(-BIG, counts[0] - N + 1, counts[0]), (3, counts[1] - N - 1, counts[1])]
+    rows = mx.array(bounds, dtype=mx.int32)
+    scale = plan.key.dim ** -0.5
+    with mx.stream(mx.cpu):
+        j = mx.arange(T)[None, None]  # (1, 1, T)
+        n = mx.arange(N)[None, :, None]  # (1, N, 1)
+        lo, hi, cnt = (rows[:, i][:, None, None] for i in range(3))
+        mask = ((j >= lo + n) & (j < mx.minimum(hi + n, cnt)))[:, None]  # (B, 1, N, T)
+        ref = reference_attention(q.astype(mx.float32), kd, vd, scale, mask, sinks)
+        mx.eval(ref)
+    launch = Launch(plan.key, plan.value, ka, va, kbook, vbook, rows, T)
+    return q, launch, ref, sinks, scale, (plan.tile, -(-T // plan.tile))
+
+
+def check_plan(plan: Plan, q_dtype, seed: int = 0) -> str | None:
+    """None when the kernel matches the reference for this plan on the device, else why not."""
+    from .cuda_decode import _dtype_name, merge, partials
+
+    q, launch, ref, sinks, scale, split = check_inputs(plan, q_dtype, seed)
+    out = merge(q, [partials(q, launch, plan, scale, HEADS, split)], plan.rep, plan.value.dim, sinks)
+    err = relative_error(out, ref)
+    tol = TOLERANCE[_dtype_name(q_dtype)]
+    return None if err <= tol else f"kernel differs from the reference: relative error {err:.3g} > {tol}"
+
+
+def relative_error(out: mx.array, ref: mx.array) -> float:
+    with mx.stream(mx.cpu):
+        o, r = out.astype(mx.float32), ref.astype(mx.float32)
+        err = (mx.sqrt(((o - r) ** 2).sum()) / mx.maximum(mx.sqrt((r * r).sum()), 1e-30)).item()
+    return err if err == err else float("inf")  # NaN never passes

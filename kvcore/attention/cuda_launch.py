@@ -1,0 +1,233 @@
+"""Launch arithmetic of the CUDA decode kernel: pure Python, no device needed (unit-tested on CPU).
+
+A `Side` says how one of K or V is stored, as a row of 32-bit words per token whose element d
+sits at bits [d * bits, (d + 1) * bits) of the row's little-endian bit stream (mx.quantize's
+layout for every affine width, TurboQuant's byte packing read four bytes at a time, and dense
+bf16/fp16/fp32 alike). A `Plan` fixes everything the kernel is compiled for (codecs, dims, GQA
+ratio, queries) and the shared memory layout; the split count and chunk are runtime values
+computed from the capacity, a host int, so nothing recompiles as the context grows.
+
+```
+grid: (nsplit * NQC * THREADS, Hkv, B)   block x = split * NQC + query chunk
+block: THREADS threads, `tile` tokens per tile, split = CHUNK tokens (a multiple of the tile)
+```
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+THREADS = 128
+TILES = (128, 64, 32)  # tokens per tile (one token per thread in the score phase): the largest that fits
+WARPS = THREADS // 32
+MAX_QUERIES = 8  # decode and speculative verify
+MAX_VECTORS = 8  # query vectors (heads x queries) one block holds in registers
+TARGET_BLOCKS = 4 * 132  # about four blocks per SM of an H200 (132 SMs)
+MAX_SMEM = 100 * 1024  # bytes; more would leave one block per SM
+BIG = 2**30  # "no bound" in the per-row token bounds
+KINDS = {"dense": 0, "affine": 1, "turbo": 2}
+DENSE_TYPES = {"bfloat16": (16, 0), "float16": (16, 1), "float32": (32, 2)}  # name -> (bits, code)
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _align(n: int, a: int = 16) -> int:
+    return _ceil(n, a) * a
+
+
+@dataclass(frozen=True)
+class Side:
+    """How one of K or V is stored: kind, bits per element, elements per scale group, dim."""
+
+    kind: str  # "dense" | "affine" | "turbo"
+    bits: int
+    group: int
+    dim: int
+    dtype: str = ""  # dense element type
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown side kind {self.kind!r}")
+        if self.dim % self.group or (self.dim * self.bits) % 32:
+            raise ValueError(f"dim {self.dim} does not fill whole groups of {self.group} / 32-bit words")
+
+    @classmethod
+    def dense(cls, dtype: str, dim: int) -> "Side":
+        return cls("dense", DENSE_TYPES[dtype][0], dim, dim, dtype)
+
+    @property
+    def words(self) -> int:
+        """32-bit words per token row."""
+        return self.dim * self.bits // 32
+
+    @property
+    def groups(self) -> int:
+        return self.dim // self.group if self.kind == "affine" else 1
+
+    @property
+    def meta_stride(self) -> int:
+        """Floats per token of staged metadata (odd, so a thread per token reads without bank conflicts)."""
+        if self.kind == "affine":
+            return self.groups | 1
+        return 1 if self.kind == "turbo" else 0
+
+    @property
+    def codebook(self) -> int:
+        return 2**self.bits if self.kind == "turbo" else 0
+
+    @property
+    def dtype_code(self) -> int:
+        return DENSE_TYPES[self.dtype][1] if self.kind == "dense" else 0
+
+    def tile_bytes(self, tile: int) -> int:
+        words = tile * (self.words + 1) * 4  # rows padded by one word
+        meta = tile * self.meta_stride * 4 * (2 if self.kind == "affine" else 1)
+        return _align(words) + _align(meta)
+
+
+def vectors_per_block(qv: int) -> int:
+    """The largest divisor of the query vectors of one KV head that fits in a block (<= 8)."""
+    return max(d for d in range(1, MAX_VECTORS + 1) if qv % d == 0)
+
+
+@dataclass(frozen=True)
+class Plan:
+    key: Side
+    value: Side
+    rep: int  # query heads per KV head
+    n_queries: int
+
+    def __post_init__(self):
+        if not 1 <= self.n_queries <= MAX_QUERIES:
+            raise ValueError(f"the kernel takes 1..{MAX_QUERIES} queries, got {self.n_queries}")
+
+    @property
+    def qv(self) -> int:
+        return self.rep * self.n_queries  # query vectors per KV head: v = r * n_queries + n
+
+    @property
+    def qvb(self) -> int:
+        return vectors_per_block(self.qv)
+
+    @property
+    def nqc(self) -> int:
+        return self.qv // self.qvb
+
+    @property
+    def qvp(self) -> int:
+        return _ceil(self.qvb, 4) * 4  # padded for float4 reads
+
+    @property
+    def ve(self) -> int:
+        """Value elements per thread in the value phase."""
+        return 8 if self.qvb <= 4 else 4
+
+    @property
+    def tpr(self) -> int:
+        return self.value.dim // self.ve  # threads per value row
+
+    @property
+    def ts(self) -> int:
+        return THREADS // self.tpr  # token subsets in the value phase
+
+    @cached_property
+    def tile(self) -> int:
+        return next((t for t in TILES if self._layout(t)["TOTAL"] <= MAX_SMEM), TILES[0])
+
+    @cached_property
+    def layout(self) -> dict:
+        """Byte offsets of the shared memory regions, and the total."""
+        return self._layout(self.tile)
+
+    def _layout(self, tile: int) -> dict:
+        k, v = self.key, self.value
+        sizes = [
+            ("Q", k.dim * self.qvp * 4),
+            ("QSUM", k.groups * self.qvp * 4 if k.kind == "affine" else 0),
+            ("KCB", k.codebook * 4),
+            ("VCB", v.codebook * 4),
+            ("RED", WARPS * self.qvp * 4),
+            ("P", tile * self.qvp * 4),
+        ]
+        off, out = 0, {}
+        for name, size in sizes:
+            out[name] = off
+            off += _align(size)
+        union = off
+        for name, side in (("K", k), ("V", v)):
+            out[name + "T"] = off
+            out[name + "M"] = off + _align(tile * (side.words + 1) * 4)
+            off += side.tile_bytes(tile)
+        scratch = self.ts * self.qvb * v.dim * 4  # per token subset partial outputs, after the last tile
+        out["TOTAL"] = max(off, union + _align(scratch))
+        return out
+
+    @property
+    def smem(self) -> int:
+        return self.layout["TOTAL"]
+
+    def why_not(self) -> str | None:
+        """None when the kernel covers this plan, else why not."""
+        if self.value.dim % self.ve or THREADS % self.tpr or self.tpr > THREADS:
+            return f"value dim {self.value.dim} does not map onto {THREADS} threads"
+        if not (32 <= self.key.dim <= 256 and 32 <= self.value.dim <= 256):
+            return "head dims outside 32..256"
+        if self.smem > MAX_SMEM:
+            return f"shared memory {self.smem} > {MAX_SMEM}"
+        return None
+
+    @cached_property
+    def template(self) -> list[tuple[str, int]]:
+        k, v = self.key, self.value
+        t = [("D", k.dim), ("DV", v.dim), ("REP", self.rep), ("NQ", self.n_queries), ("QVB", self.qvb),
+             ("NQC", self.nqc), ("QVP", self.qvp), ("VE", self.ve), ("TPR", self.tpr), ("TS", self.ts),
+             ("THREADS", THREADS), ("TT", self.tile),
+             ("KK", KINDS[k.kind]), ("KB", k.bits), ("KG", k.group), ("KNG", k.groups), ("KRW", k.words),
+             ("KMS", k.meta_stride), ("KDT", k.dtype_code),
+             ("VK", KINDS[v.kind]), ("VB", v.bits), ("VG", v.group), ("VNG", v.groups), ("VRW", v.words),
+             ("VMS", v.meta_stride), ("VDT", v.dtype_code)]
+        return t + [("OFF_" + name, off) for name, off in self.layout.items() if name != "TOTAL"]
+
+    def splits(self, columns: int, rows: int, heads: int) -> tuple[int, int]:
+        """(chunk, nsplit) for `columns` tokens at most per row (a host int: capacity or length):
+        enough blocks to fill the device, each split a whole number of tiles."""
+        tiles = max(1, _ceil(columns, self.tile))
+        want = _ceil(TARGET_BLOCKS, rows * heads * self.nqc)
+        per = _ceil(tiles, min(max(want, 1), tiles))  # tiles per split
+        return per * self.tile, _ceil(tiles, per)
+
+    def grid(self, nsplit: int, heads: int, rows: int) -> tuple[int, int, int]:
+        return (nsplit * self.nqc * THREADS, heads, rows)
+
+    def partial_shapes(self, rows: int, heads: int, nsplit: int) -> list[tuple[int, ...]]:
+        """m, l: (B, Hkv, S, QV); acc: (B, Hkv, S, QV, DV)."""
+        return [(rows, heads, nsplit, self.qv), (rows, heads, nsplit, self.qv),
+                (rows, heads, nsplit, self.qv, self.value.dim)]
+
+
+def token_bounds(q_start: int, n_queries: int, seg_start: int, seg_length: int, *, window: int | None, keep: int,
+                 kind: str, block_tokens: int, lag: int) -> tuple[int, int, int] | None:
+    """(lo0, hi0, count) in segment columns: query n sees columns [max(lo0 + n, 0), min(hi0 + n, count)).
+
+    The same rule as `Segment.visible` for one-token blocks: causal, a window's lower bound
+    (tokens before `keep` always seen), a recent-token lag (encoded: read from `lag` positions
+    after a token on; shadow: before). None where that is not an interval per query."""
+    del n_queries  # the bounds move by one column per query
+    lo, hi = -BIG, q_start + 1
+    if window is not None:
+        if seg_start >= keep:
+            lo = q_start - (window - keep) + 1
+        elif seg_start + seg_length > keep:
+            return None
+    if kind != "dense" and (block_tokens > 1 or lag):
+        if block_tokens > 1:
+            return None
+        if kind == "encoded":
+            hi = q_start + 1 - lag
+        else:  # shadow
+            lo = max(lo, q_start - lag + 1)
+    shift = lambda x: x if x == -BIG else x - seg_start  # noqa: E731
+    return shift(lo), hi - seg_start, seg_length

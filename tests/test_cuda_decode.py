@@ -1,0 +1,225 @@
+"""The CUDA decode kernel on CPU: its index math (numpy emulation) == mx.dequantize and the portable
+path, its launch arithmetic, and the selection falling back off CUDA / for shapes it does not cover."""
+
+from __future__ import annotations
+
+import re
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kvcore.attention import blockwise, cuda_decode, cuda_launch, cuda_source
+from kvcore.attention.config import AttentionConfig
+from kvcore.attention.cuda_launch import BIG, MAX_SMEM, TARGET_BLOCKS, Plan, Side, token_bounds
+from kvcore.attention.rotated import rotate_view, shared_rotation
+from kvcore.cache import BatchCompressedKVCache, CompressedKVCache
+from kvcore.codecs import CodecSpec, make_codec
+from kvcore.codecs.bitpack import unpack
+from tests.cuda_emulation import codes, decoded, emulate, words
+
+PORTABLE = AttentionConfig(cuda_kernel=False, qmm=False)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+def test_word_extraction_equals_mx_dequantize(bits):
+    """The kernel's element formula over MLX's packing, every affine width, group and head dim."""
+    mx.random.seed(bits)
+    for group in (32, 64, 128):
+        for dim in (64, 128, 256):
+            if dim % group:
+                continue
+            codec = make_codec(CodecSpec("affine", bits, group), dim)
+            enc = codec.encode(mx.random.normal((1, 2, 5, dim)))
+            got = decoded(Side("affine", bits, group, dim), enc, None)
+            assert np.array_equal(got, np.array(codec.decode(enc, mx.float32))), (group, dim)
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_word_extraction_reads_turbo_bytes(bits):
+    """TurboQuant's byte packing read as 32-bit words gives bitpack's indices and decode_rotated's values."""
+    mx.random.seed(10 + bits)
+    for dim in (64, 128):
+        codec = make_codec(CodecSpec("turbo", bits), dim)
+        packed, norm = codec.encode(mx.random.normal((1, 2, 4, dim)))
+        c = codes(words(packed), dim, bits)
+        assert np.array_equal(c, np.array(unpack(packed, bits, dim)))
+        got = decoded(Side("turbo", bits, dim, dim), (packed, norm), codec.centroids)
+        assert np.allclose(got, np.array(codec.decode_rotated((packed, norm), mx.float32)), atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_word_extraction_reads_dense_rows(dtype):
+    x = mx.random.normal((1, 2, 3, 64)).astype(getattr(mx, dtype))
+    got = decoded(Side.dense(dtype, 64), (x,), None)
+    assert np.array_equal(got, np.array(x.astype(mx.float32)))
+
+
+PLANS = [Plan(Side("affine", b, g, d), Side("affine", vb, g, d), rep, n)
+         for b, vb in ((4, 4), (8, 4), (3, 5), (2, 6)) for g, d in ((64, 128), (32, 64), (128, 256))
+         for rep, n in ((1, 1), (4, 1), (8, 1), (4, 8), (3, 5))]
+PLANS += [Plan(Side("turbo", 4, d, d), Side("turbo", 3, d, d), 4, 1) for d in (64, 128, 256)]
+PLANS += [Plan(Side.dense(t, d), Side.dense(t, d), rep, 1) for t in ("bfloat16", "float32") for d in (64, 128, 256)
+          for rep in (1, 4)]
+
+
+@pytest.mark.parametrize("plan", PLANS, ids=cuda_decode.describe)
+def test_launch_arithmetic(plan):
+    assert plan.why_not() is None
+    assert plan.qvb * plan.nqc == plan.qv and plan.qvb <= 8 and plan.qvp % 4 == 0
+    assert plan.tpr * plan.ve == plan.value.dim and plan.ts * plan.tpr == cuda_launch.THREADS
+    # shared memory: aligned regions that do not overlap, inside the budget
+    lay = plan.layout
+    regions = [k for k in lay if k != "TOTAL"]
+    assert all(lay[k] % 16 == 0 for k in regions) and lay["TOTAL"] <= MAX_SMEM
+    assert [lay[k] for k in regions] == sorted(lay[k] for k in regions)  # in order, none before another's end
+    assert lay["KT"] + plan.key.tile_bytes(plan.tile) == lay["VT"]
+    assert lay["VT"] + plan.value.tile_bytes(plan.tile) <= lay["TOTAL"]
+    assert lay["P"] + plan.tile * plan.qvp * 4 <= lay["KT"]
+    assert lay["KT"] + plan.ts * plan.qvb * plan.value.dim * 4 <= lay["TOTAL"]  # the partials' scratch
+    # splits: whole tiles, cover the capacity, enough blocks, from the host int alone
+    for columns in (1, 127, 128, 129, 4096, 32768, 131072):
+        for rows, heads in ((1, 8), (16, 8), (3, 2)):
+            chunk, nsplit = plan.splits(columns, rows, heads)
+            assert chunk % plan.tile == 0 and (nsplit - 1) * chunk < columns <= nsplit * chunk
+            tiles = -(-columns // plan.tile)
+            assert nsplit == tiles or nsplit * rows * heads * plan.nqc >= TARGET_BLOCKS / 2
+            assert plan.grid(nsplit, heads, rows) == (nsplit * plan.nqc * cuda_launch.THREADS, heads, rows)
+
+
+def test_every_constant_the_source_reads_is_in_the_template():
+    plan = PLANS[0]
+    names = {n for n, _ in plan.template}
+    used = set(re.findall(r"\b([A-Z][A-Z0-9_]{1,})\b", cuda_source.SOURCE)) - {"NEG", "QVT", "NWARP", "CHUNK", "NSPLIT"}
+    assert used <= names, used - names
+    assert {f"OFF_{k}" for k in plan.layout if k != "TOTAL"} <= used
+
+
+def test_plans_it_does_not_cover():
+    assert Plan(Side.dense("float32", 512), Side.dense("float32", 512), 1, 1).why_not()
+    with pytest.raises(ValueError):
+        Side("affine", 3, 64, 80)  # head dim not whole groups
+    with pytest.raises(ValueError):
+        Plan(Side("affine", 4, 64, 64), Side("affine", 4, 64, 64), 1, 9)  # more than 8 queries
+
+
+def _spec(name, bits):
+    return CodecSpec(name, bits, 64 if name == "affine" else None)
+
+
+def _views(cache, steps, Hkv=2, D=64, dtype=mx.float32):
+    """Updates of (tokens per update) and the last view."""
+    for n in steps:
+        k, v = (mx.random.normal((1, Hkv, n, D)).astype(dtype) for _ in range(2))
+        view, _ = cache.update_and_fetch(k, v)
+    return view
+
+
+CACHES = [  # key, value, start, window, keep, recent, steps (the last = queries)
+    ("affine", 4, 4, 0, None, 0, 0, (300, 1)),
+    ("affine", 8, 4, 16, None, 0, 0, (200, 70, 4)),
+    ("affine", 3, 5, 0, None, 0, 9, (260, 1)),
+    ("affine", 2, 6, 0, 96, 4, 0, (333, 3)),
+    ("affine", 4, 4, 0, 200, 8, 5, (300, 1)),
+    ("turbo", 4, 3, 0, None, 0, 6, (290, 2)),
+    ("full", None, None, 0, None, 0, 0, (150, 1)),
+]
+
+
+@pytest.mark.parametrize("case", CACHES, ids=lambda c: f"{c[0]}{c[1]}-{c[2]}-w{c[4]}-r{c[6]}")
+def test_token_bounds_equal_segment_visibility(case):
+    name, kb, vb, start, window, keep, recent, steps = case
+    mx.random.seed(1)
+    cache = CompressedKVCache(_spec(name, kb), _spec(name, vb), start, window, keep, recent=recent)
+    view = _views(cache, steps)
+    for seg in view.segments:
+        b = token_bounds(view.q_start, view.n_queries, seg.start, seg.length, window=view.window, keep=view.keep,
+                         kind=seg.kind, block_tokens=seg.block_tokens, lag=seg.lag)
+        assert b is not None
+        lo, hi, cnt = b
+        n, j = np.arange(view.n_queries)[:, None], np.arange(seg.length)[None]
+        mine = (j >= lo + n) & (j < np.minimum(hi + n, cnt))
+        want = np.array(seg.visible(view.q_positions, 0, seg.length, view.window, view.keep))
+        assert np.array_equal(mine, want), seg.kind
+
+
+@pytest.mark.parametrize("case", CACHES, ids=lambda c: f"{c[0]}{c[1]}-{c[2]}-w{c[4]}-r{c[6]}")
+@pytest.mark.parametrize("rep", [1, 4])
+def test_emulated_kernel_equals_portable_path(case, rep):
+    """Every segment a launch, splits from the capacity, merged with sinks == kv_attention."""
+    name, kb, vb, start, window, keep, recent, steps = case
+    mx.random.seed(2 + rep)
+    cache = CompressedKVCache(_spec(name, kb), _spec(name, vb), start, window, keep, recent=recent,
+                              attention=PORTABLE)
+    view = _views(cache, steps)
+    q = mx.random.normal((1, 2 * rep, view.n_queries, 64))
+    sinks = mx.random.normal((2 * rep,)) if rep == 4 else None
+    want = blockwise.kv_attention(q, view, 0.125, sinks)
+    rot = shared_rotation(view)
+    qr, rv = (q, view) if rot is None else (rot.forward(q), rotate_view(view, rot))
+    launches = cuda_decode.view_launches(qr, rv)
+    assert launches is not None and len(launches) == len([s for s in view.segments if s.length])
+    got = mx.array(emulate(qr, launches, 2, 0.125, sinks))
+    if rot is not None:
+        got = rot.inverse(got)
+    assert np.allclose(np.array(got), np.array(want), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("spec", [("affine", 4, 4), ("affine", 8, 3), ("turbo", 4, 3), ("full", None, None)])
+def test_emulated_kernel_over_packed_rows_of_uneven_lengths(spec):
+    name, kb, vb = spec
+    mx.random.seed(5)
+    rows = []
+    for n in (5, 300, 130):
+        c = CompressedKVCache(_spec(name, kb), _spec(name, vb), start=0, attention=PORTABLE)
+        c.update_and_fetch(mx.random.normal((1, 2, n, 64)), mx.random.normal((1, 2, n, 64)))
+        rows.append(c)
+    batch = BatchCompressedKVCache(rows)
+    for N in (1, 3):
+        pv, _ = batch.update_and_fetch(mx.random.normal((3, 2, N, 64)), mx.random.normal((3, 2, N, 64)))
+        q = mx.random.normal((3, 8, N, 64))
+        want = blockwise.packed_attention(q, pv, 0.125, None)
+        rot = shared_rotation(pv)
+        qr, rv = (q, pv) if rot is None else (rot.forward(q), rotate_view(pv, rot))
+        launches = cuda_decode.packed_launches(qr, rv)
+        assert launches is not None and launches[0].columns == pv.key_parts[0].shape[2]  # the capacity
+        got = mx.array(emulate(qr, launches, 2, 0.125))
+        got = got if rot is None else rot.inverse(got)
+        assert np.allclose(np.array(got), np.array(want), atol=2e-5, rtol=1e-4), N
+
+
+def test_selection_falls_back_off_cuda_and_for_uncovered_layouts():
+    mx.random.seed(6)
+    cache = CompressedKVCache(_spec("affine", 4), start=0, attention=AttentionConfig(cuda_kernel=True))
+    view = _views(cache, (100, 1))
+    q = mx.random.normal((1, 4, 1, 64))
+    assert cuda_decode.view_attention(q, view, 0.125) is None  # this machine is not CUDA
+    out = blockwise.kv_attention(q, view, 0.125)
+    assert "cuda-kernel" not in cache.stats.calls
+    assert mx.allclose(out, blockwise.kv_attention(q, view, 0.125, config=PORTABLE), atol=1e-5).item()
+    # layouts no launch covers, whatever the backend: token-grouped affine (head dim 8), turbo outside
+    # the rotated basis, and more than 8 queries
+    tok = CompressedKVCache(CodecSpec("affine", 4, 32), start=0)
+    tv = _views(tok, (64, 1), D=8)
+    assert cuda_decode.view_launches(mx.zeros((1, 2, 1, 8)), tv) is None
+    turbo = CompressedKVCache(CodecSpec("turbo", 4), start=0)
+    assert cuda_decode.view_launches(q, _views(turbo, (50, 1))) is None  # not rotated: would need R^T per token
+    assert not cuda_decode.applies(q, cache.key_codec, cache.value_codec)
+
+
+def test_a_plan_outside_the_kernel_is_refused_without_a_device_check():
+    plan = Plan(Side.dense("float32", 512), Side.dense("float32", 512), 1, 1)
+    assert not cuda_decode.admitted(plan, mx.float32)
+    assert "head dims" in cuda_decode.status()[cuda_decode.describe(plan, "float32")]
+
+
+def test_check_inputs_reference_is_the_portable_attention():
+    """The device check's reference (float32 over decoded values, bounds as masks) matches the emulation."""
+    from kvcore.attention.cuda_check import check_inputs
+
+    for plan in (Plan(Side("affine", 5, 64, 64), Side("affine", 3, 64, 64), 2, 3),
+                 Plan(Side("turbo", 4, 64, 64), Side("turbo", 2, 64, 64), 4, 1)):
+        q, launch, ref, sinks, scale, split = check_inputs(plan, mx.float32)
+        assert int(np.array(launch.rows)[1, 0]) == 3 and int(np.array(launch.rows)[0, 0]) == -BIG
+        got = emulate(q, [launch], 2, scale, sinks)
+        assert np.allclose(got, np.array(ref), atol=2e-5, rtol=1e-4)
