@@ -36,12 +36,14 @@ class _DlInfo(ctypes.Structure):
 
 
 def openblas_candidates() -> list[str]:
-    """Debian/Ubuntu OpenBLAS paths for this machine's architecture."""
+    """OpenBLAS paths for this machine's architecture: Debian/Ubuntu, then Fedora/Arch (the same
+    list as mlxkv_cli/blas_preload.py, which preloads the first one found before mlx is imported)."""
     triple = {"x86_64": "x86_64-linux-gnu", "aarch64": "aarch64-linux-gnu"}.get(
         platform.machine(), f"{platform.machine()}-linux-gnu")
     base = f"/usr/lib/{triple}"
     return [f"{base}/openblas-pthread/libblas.so.3", f"{base}/openblas-openmp/libblas.so.3",
-            f"{base}/libopenblas.so.0"]
+            f"{base}/libopenblas.so.0", "/usr/lib64/libopenblasp.so.0", "/usr/lib64/libopenblas.so.0",
+            "/usr/lib/libopenblas.so.0"]
 
 
 _OLD_CORES = ("Prescott", "Core2", "Penryn", "Dunnington", "Nehalem", "Atom", "Katmai",
@@ -107,7 +109,7 @@ def _hint() -> str:
     for cand in openblas_candidates():
         if os.path.exists(cand):
             return (f"slow reference BLAS in use: export LD_PRELOAD={cand} "
-                    f"(or source scripts/blas-env.sh) for much faster CPU matmuls")
+                    f"(the mlxkv command does it by itself; or source scripts/blas-env.sh) for much faster CPU matmuls")
     return ("slow reference BLAS in use: apt-get install libopenblas0-pthread libgfortran5, "
             f"then export LD_PRELOAD={openblas_candidates()[0]}")
 

@@ -44,6 +44,10 @@ def build_app():
             import mlx_lm
 
             print(f"mlxkv {__version__} (mlx {mx.__version__}, mlx-lm {mlx_lm.__version__})")
+            if mx.default_device() == mx.cpu:
+                from kvcore.blas import blas_status
+
+                print(f"cpu blas: {blas_status().library or 'unknown'}")
             raise typer.Exit()
 
     @app.callback()
@@ -78,8 +82,16 @@ def _quiet_other_ranks() -> None:
 
 
 def main() -> None:
+    from .blas_preload import reexec_with_openblas, reference_blas_hint
+
+    reexec_with_openblas()  # before mlx is imported: an installed OpenBLAS instead of MLX's reference BLAS
     _check_backend()
     _quiet_other_ranks()
+    hint = reference_blas_hint()
+    if hint:
+        from .output import notice
+
+        notice(hint + " (MLXKV_NO_OPENBLAS=1 silences this)")
     build_app()()
 
 
