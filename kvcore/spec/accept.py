@@ -79,3 +79,20 @@ def accept_sampled(q: mx.array, drafts: list[list[int]], p: mx.array | None = No
     last = mx.take_along_axis(x, a[:, None], axis=1)[:, 0]
     accepted, ends = a.tolist(), last.tolist()
     return Verdict(accepted, [list(d[:n]) + [e] for d, n, e in zip(drafts, accepted, ends)])
+
+
+def row_logprobs(logits: mx.array, tokens: list[list[int]], asked: list[int | None]) -> list[list[dict] | None]:
+    """Per row, the target's log-probabilities of its emitted tokens (position j's distribution
+    gave token j), with the top N it asked for; None for rows that asked for none.
+    logits: (B, K, V) from the verifying pass."""
+    from ..engine.sampling import pack_logprobs, unpack_logprobs
+
+    if all(a is None for a in asked):
+        return [None] * len(tokens)
+    B, K, V = logits.shape
+    chosen = mx.array([list(t) + [0] * (K - len(t)) for t in tokens], dtype=mx.int32).reshape(B * K)
+    lp = logits.reshape(B * K, V).astype(mx.float32)
+    lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
+    packed = pack_logprobs(chosen, lp, max(a for a in asked if a is not None)).reshape(B, K, -1).tolist()
+    return [None if a is None else [unpack_logprobs(packed[b][j], a)[1] for j in range(len(tokens[b]))]
+            for b, a in enumerate(asked)]

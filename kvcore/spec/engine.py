@@ -26,7 +26,7 @@ from ..engine.engine import Engine, GenerateConfig
 from ..engine.sequence import TokenEvent
 from ..errors import MlxkvError
 from ..policy import KVPolicy
-from .accept import Verdict, accept_greedy, accept_sampled, sampling_probs
+from .accept import Verdict, accept_greedy, accept_sampled, row_logprobs, sampling_probs
 from .drafts import DraftProvider
 from .rows import Checkpoint, check_caches, feed, next_starts, pad, rollback
 from .stats import SpecStats
@@ -55,6 +55,8 @@ class SpeculativeDecode:
         return []
 
     def joined(self, engine, seq) -> None:
+        if seq.sampling.penalized:
+            raise MlxkvError("the repetition penalty is not supported with speculative decoding")
         check_caches(engine.caches)
         self.draft.add_row(seq.context)
 
@@ -92,16 +94,17 @@ class SpeculativeDecode:
         tokens, lengths = pad(fed)
         logits = feed(engine.model, caches, tokens, lengths)  # (B, K, V)
         verdict = self._verify(engine, logits, drafts, proposal.probs)
+        lps = row_logprobs(logits, verdict.tokens, [r.sampling.logprobs for r in rows])  # the target's
         self.stats.replays += rollback(engine.model, caches, fed, [a + 1 for a in verdict.accepted], ckpt)
         self.draft.accept(verdict.accepted)
         self.stats.record([len(d) for d in drafts], verdict.accepted, tokens.shape[1])
         engine.decode_time += time.perf_counter() - t0
         engine.trace.append(("decode", tuple(r.id for r in rows)))
         events = []
-        for row, toks in zip(rows, verdict.tokens):
-            for t in toks:
+        for row, toks, lp in zip(rows, verdict.tokens, lps):
+            for j, t in enumerate(toks):
                 engine.decoded += 1
-                events.append(row.append(t))
+                events.append(row.append(t, lp[j] if lp else None))
                 if row.finished:
                     break
         return events
