@@ -1,9 +1,9 @@
 """Portable attention over a KVView, on every MLX backend (pure MLX ops).
 
 Two paths, chosen by size:
-- fused: when one layer's decoded K/V is small (`AttentionConfig.fused_bytes`), decode every segment and make
-  one `mx.fast.scaled_dot_product_attention` call with a positional mask (the fused kernel
-  does not materialize the score matrix);
+- fused (`prefill.py`): when the call's transient fits `AttentionConfig.scratch_limit`, decode every
+  segment once into one scratch and make one `mx.fast.scaled_dot_product_attention` call
+  (causal / no mask where positions allow, else a positional mask);
 - blockwise: otherwise, blocks of the KV length are decoded, scored and merged into running
   (max, sum, output) accumulators in float32 (online softmax, as in flash attention), so
   neither the whole decoded KV nor the whole score matrix exists at once.
@@ -14,7 +14,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..cache.view import ENCODED, SHADOW, KVView
-from . import cuda_decode, qmm
+from . import cuda_decode, prefill, qmm
 from .config import DEFAULT, AttentionConfig, AttentionStats
 
 NEG = -1e30
@@ -37,16 +37,6 @@ def _mask(view: KVView):
     return mx.concatenate([s.visible(q_pos, 0, s.length, view.window, view.keep) for s in view.segments], axis=1)
 
 
-def _fused(q, view: KVView, scale, sinks):
-    """Decode everything, then one fused SDPA call."""
-    parts = [s.dense(0, s.length, q.dtype) for s in view.segments]
-    keys = mx.concatenate([k for k, _ in parts], axis=2) if len(parts) > 1 else parts[0][0]
-    vals = mx.concatenate([v for _, v in parts], axis=2) if len(parts) > 1 else parts[0][1]
-    return mx.fast.scaled_dot_product_attention(
-        q, keys.astype(q.dtype), vals.astype(q.dtype), scale=scale, mask=_mask(view), sinks=sinks
-    )
-
-
 def _sizes(q, view: KVView) -> tuple[int, int]:
     """(bytes of decoded K+V per token, bytes of scores per token) for this call."""
     B, Hq, N, _ = q.shape
@@ -60,7 +50,6 @@ def kv_attention(q: mx.array, view: KVView, scale: float, sinks: mx.array | None
     (default: the one the view carries) picks the path."""
     cfg, stats = _setup(view, config)
     kv, sc = _sizes(q, view)
-    T = view.shape[2]
     segs = view.segments
     one_encoded = cfg.accelerated and len(segs) == 1 and segs[0].kind == ENCODED and view.window is None
     if (one_encoded and sinks is None and cfg.cuda_kernel
@@ -73,31 +62,38 @@ def kv_attention(q: mx.array, view: KVView, scale: float, sinks: mx.array | None
         mask = None if view.n_queries == 1 else segs[0].visible(view.q_positions, 0, segs[0].length, None, 0)
         return qmm.qmm_attention(q, segs[0].keys, segs[0].values, segs[0].key_codec, segs[0].value_codec,
                                  scale, mask, sinks)
-    if cfg.block is None and T * kv <= cfg.fused_bytes:
-        _count(stats, "fused")
-        return _fused(q, view, scale, sinks)
+    if cfg.block is None:  # one fused call over a layer-sized scratch, if it fits the budget
+        out = prefill.fused_attention(q, view, scale, sinks, cfg.scratch_limit)
+        if out is not None:
+            _count(stats, "fused")
+            return out
     _count(stats, "blockwise")
-    block = cfg.block or max(256, cfg.block_bytes // max(kv, sc) // 128 * 128)
+    block = cfg.block or max(prefill.MIN_BLOCK, min(cfg.block_bytes // max(kv, sc) // 128 * 128,
+                                                    prefill.blockwise_block(q, view, cfg.scratch_limit)))
     return _blockwise(q, view, scale, sinks, block)
 
 
-def _segment_blocks(q, view: KVView, block: int):
-    """(keys, values, mask) per block of each segment; mask (N, T)."""
-    q_pos = view.q_positions
+def _segment_blocks(q, view: KVView, block: int, progress: list):
+    """(keys, values, mask) per block of each segment; mask (N, T). Each block is read only once
+    the accumulators in `progress` are computed, so a lazy graph holds one block at a time."""
     for seg in view.segments:
         for lo in range(0, seg.length, block):
             hi = min(lo + block, seg.length)
-            k, v = seg.dense(lo, hi, q.dtype)
-            yield k, v, seg.visible(q_pos, lo, hi, view.window, view.keep)
+            s, q_pos = prefill.after(seg, view.q_positions, progress)
+            k, v = s.dense(lo, hi, q.dtype)
+            yield k, v, s.visible(q_pos, lo, hi, view.window, view.keep)
 
 
 def _blockwise(q: mx.array, view: KVView, scale: float, sinks, block: int) -> mx.array:
-    return online_softmax(q, _segment_blocks(q, view, block), view.heads, view.value_dim, scale, sinks)
+    progress = []
+    return online_softmax(q, _segment_blocks(q, view, block, progress), view.heads, view.value_dim, scale, sinks,
+                          progress)
 
 
-def online_softmax(q: mx.array, blocks, Hkv: int, Dv: int, scale: float, sinks) -> mx.array:
+def online_softmax(q: mx.array, blocks, Hkv: int, Dv: int, scale: float, sinks, progress: list | None = None) -> mx.array:
     """Merge attention over blocks of (keys (B, Hkv, T, D), values, mask broadcastable to
-    (B, 1, N, T) or (N, T)) with running (max, sum, output) accumulators in float32."""
+    (B, 1, N, T) or (N, T)) with running (max, sum, output) accumulators in float32; `progress`,
+    if given, holds the accumulators after each block (for the block source to wait on)."""
     B, Hq, N, D = q.shape
     rep = Hq // Hkv
     qg = (q * scale).reshape(B, Hkv, rep, N, D)
@@ -119,6 +115,8 @@ def online_softmax(q: mx.array, blocks, Hkv: int, Dv: int, scale: float, sinks) 
         l = l * corr + p.sum(axis=-1, keepdims=True)
         acc = acc * corr + p @ v[:, :, None].astype(mx.float32)
         m = m_new
+        if progress is not None:
+            progress[:] = [acc, l]
     out = acc / mx.maximum(l, 1e-30)
     return out.reshape(B, Hq, N, Dv).astype(q.dtype)
 

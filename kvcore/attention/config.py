@@ -20,7 +20,8 @@ def _env_kernel() -> bool:
 
 @dataclass(frozen=True)
 class AttentionConfig:
-    fused_bytes: int = 256 * 2**20  # decoded K+V of one call up to which one fused SDPA call serves
+    fused_bytes: int = 256 * 2**20  # batch decode (packed, stacked rows): decoded K+V up to which one fused call serves
+    scratch_bytes: int | None = None  # one row's call: bound on its transient (scratch.CallBytes); None: device default
     block_bytes: int = 64 * 2**20  # per block of the blockwise path
     block: int | None = None  # tokens per block; set: always blockwise (tests), None: from block_bytes
     qmm: bool = True  # CPU/Metal: decode attention from packed words with mx.quantized_matmul
@@ -31,8 +32,19 @@ class AttentionConfig:
         for name in ("fused_bytes", "block_bytes"):
             if getattr(self, name) < 1:
                 raise MlxkvError(f"attention {name} must be >= 1, got {getattr(self, name)}")
+        if self.scratch_bytes is not None and self.scratch_bytes < 0:
+            raise MlxkvError(f"attention scratch_bytes must be >= 0, got {self.scratch_bytes}")
         if self.block is not None and self.block < 1:
             raise MlxkvError(f"attention block must be >= 1 token, got {self.block}")
+
+    @property
+    def scratch_limit(self) -> int:
+        """`scratch_bytes`, or the device's default (`kvcore.attention.prefill.default_scratch_bytes`)."""
+        if self.scratch_bytes is not None:
+            return self.scratch_bytes
+        from .prefill import default_scratch_bytes
+
+        return default_scratch_bytes()
 
     @property
     def accelerated(self) -> bool:
