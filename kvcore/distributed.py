@@ -125,13 +125,14 @@ def shard(model: nn.Module, dist: Dist) -> None:
         inner(dist.group)
 
 
-def load_for_run(ref: str | None, dtype: str | None, settings: str):
-    """Load the model, keep this rank's shard, and shake hands; returns (LoadedModel, Dist)."""
+def load_for_run(ref: str | None, dtype: str | None, settings: str, extra_eos: tuple[str, ...] = ()):
+    """Load the model (`extra_eos`: more tokens that end a row, as mlx-lm's --extra-eos-token), keep this
+    rank's shard, and shake hands; returns (LoadedModel, Dist)."""
     from .models import load_model
 
     dist = current()
     try:
-        lm = load_model(ref, dtype)
+        lm = load_model(ref, dtype, extra_eos)
         shard(lm.model, dist)
     except MlxkvError:
         if dist.size > 1:  # tell the others, so they stop instead of waiting

@@ -83,11 +83,14 @@ def _add_stop_ids(tokenizer, path: Path, extra_eos: Sequence[str]) -> None:
         except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
             raise MlxkvError(f"{gen}: not a valid JSON object") from None
         ids = [eos] if isinstance(eos, int) else [i for i in (eos or []) if isinstance(i, int)]
-    for token in [*map(str, ids), *extra_eos]:
-        try:
-            tokenizer.add_eos_token(token)
-        except (ValueError, KeyError, TypeError):
-            raise MlxkvError(f"--extra-eos-token {token!r} is not a token of this tokenizer") from None
+    vocab = tokenizer.get_vocab() if extra_eos else {}
+    for token in extra_eos:
+        tid = int(token) if str(token).isdigit() else vocab.get(token)
+        if tid is None or not 0 <= tid < max(len(vocab), 1):
+            raise MlxkvError(f"--extra-eos-token {token!r} is not a token of this tokenizer")
+        ids.append(tid)
+    for tid in ids:
+        tokenizer.add_eos_token(str(tid))
 
 
 def _quiet_length_warning(tokenizer) -> None:

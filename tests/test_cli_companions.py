@@ -109,3 +109,21 @@ def test_the_embedded_model_has_a_name(name, tmp_path):
     assert run("generate", "Once", "-n", "2", "--save-cache", out).exit_code == 0
     r = run("inspect-cache", out, "-m", name)
     assert r.exit_code == 0 and "model check" in r.stdout.lower(), r.output
+
+
+def test_extra_eos_tokens_stop_a_row():
+    """mlx-lm's --extra-eos-token, at load: a token string or an id; an unknown token is one line."""
+    from kvcore.distributed import load_for_run
+
+    from kvcore.engine import GenerateConfig, Request, generate_one
+    from kvcore.policy import build_caches
+
+    lm, _ = load_for_run(None, None, "extra-eos", ("▁Lily", "13"))
+    lily = lm.tokenizer.convert_tokens_to_ids("▁Lily")
+    assert {1, 2, 13, lily} <= set(lm.tokenizer.eos_token_ids)
+    ids = lm.tokenizer.encode("Once upon a time")
+    c = generate_one(lm.model, lm.tokenizer, Request(tuple(ids), 40), build_caches(lm.model, resolve_policy(KVOptions()))[0],
+                     GenerateConfig())
+    assert c.finish_reason == "eos" and c.eos_token in (lily, 13) and len(c.token_ids) < 40
+    with pytest.raises(MlxkvError, match="--extra-eos-token 'no-such-token' is not a token of this tokenizer"):
+        load_model(None, None, ("no-such-token",))
