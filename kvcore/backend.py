@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import mlx.core as mx
 
 
 def backend_name() -> str:
-    if mx.default_device() == mx.cpu:
+    """'cpu' | 'cuda' | 'metal': where arrays run by default (asked on every call: tests move it)."""
+    return _backend(mx.default_device() == mx.cpu)
+
+
+@lru_cache(maxsize=None)
+def _backend(cpu: bool) -> str:
+    if cpu:
         return "cpu"
     if hasattr(mx, "cuda") and mx.cuda.is_available():
         return "cuda"

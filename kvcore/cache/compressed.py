@@ -98,11 +98,30 @@ class CompressedKVCache(_BaseCache):
         return self.start is not None and not self.converted and self.offset >= self.start
 
     # -- protocol -----------------------------------------------------------
+    @property
+    def _direct(self) -> bool:
+        """Steady state of a plain compressed layer: every new token is encoded straight away
+        (converted, one token per block, no window, sink or recent tokens, nothing dense left)."""
+        return (self.converted and self.window is None and not self.recent and self.tail.n == 0
+                and self.key_codec is not None and self.value_codec is not None
+                and self.key_codec.block_tokens == 1)
+
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         self._ensure_codecs(keys, values)
         if self.pending_conversion:
             self.convert()
         self._fresh = None
+        if self._direct:  # the decode hot path: the same storage as below, in fewer steps
+            q_start = self.offset
+            ek = self.key_codec.encode(keys)
+            self._n_key_parts = len(ek)
+            if not self.enc.n:
+                self.enc_start = q_start
+            self.enc.append((*ek, *self.value_codec.encode(values)))
+            self.offset += keys.shape[2]
+            self.tail_start = self.offset
+            view = self._view(q_start, keys.shape[2], None)
+            return view, view
         N = keys.shape[2]
         q_start = self.offset
         self._drop_old(q_start)
@@ -114,6 +133,17 @@ class CompressedKVCache(_BaseCache):
         shadow = self._encode_complete_blocks() if self.converted else None
         view = self._view(q_start, N, shadow)
         return view, view
+
+    def reserve(self, tokens: int) -> None:
+        """Room for `tokens` positions in all (a prefill about to feed them), so the buffers grow
+        once, not at every chunk. Windows are left as they are (they drop old tokens)."""
+        if self._dims is None or self.window is not None or tokens <= self.offset:
+            return
+        if self.start is None or (not self.converted and self.start > tokens):
+            self.tail.reserve(tokens - self.tail_start)
+        else:
+            start = self.enc_start if self.enc.n else self.tail_start
+            self.enc.reserve(-(-(tokens - start) // self.block_tokens))
 
     def _drop_old(self, q_start: int) -> None:
         """Drop recent tokens no query from q_start on can see, in TRIM_STEP steps."""

@@ -158,6 +158,7 @@ class Engine:
         self.runner.join(seq.caches)
         seq.caches = None
         self.scheduler.joined(seq)
+        self.runner.mark_rows([len(s.context) for s in self.scheduler.running])
         self.decoder.joined(self, seq)
         return events
 
@@ -174,6 +175,7 @@ class Engine:
         keep = self.scheduler.drop()
         self.decoder.filtered(self, keep)
         self.runner.filter(keep)
+        self.runner.mark_rows([len(s.context) for s in self.scheduler.running])
         return []
 
     def _finished(self, seq: Sequence) -> None:

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.cache import KVCache
 
 from ..attention.config import DEFAULT as DEFAULT_ATTENTION
 from ..attention.config import AttentionConfig, AttentionStats
+from ..cache.dense_batch import DenseBatchKVCache
 from ..policy import KVPolicy, build_caches
 from .forward import forward, prefill_chunk
 from .sampling import SamplingConfig, pack_logprobs
@@ -63,7 +65,8 @@ class Runner:
         elif not self.merged:
             old, self.caches, self.merged = self.caches, [], True
             for i, (a, b) in enumerate(zip(old, caches)):
-                self.caches.append(_settled(type(a).merge([a, b])))
+                merge = DenseBatchKVCache.merge if type(a) is KVCache else type(a).merge
+                self.caches.append(_settled(merge([a, b])))
                 old[i] = None
         else:
             for mine, new in zip(self.caches, caches):
@@ -77,6 +80,14 @@ class Runner:
             idx = mx.array(keep)
             for c in self.caches:
                 c.filter(idx)
+
+    def mark_rows(self, lengths: list[int]) -> None:
+        """The running rows' token counts (host-side): full-precision batch caches need no mask
+        while every row holds as many tokens as the others."""
+        padded = len(set(lengths)) > 1
+        for c in self.caches or []:
+            if isinstance(c, DenseBatchKVCache):
+                c.padded = padded
 
     # -- decode -----------------------------------------------------------------
     def forward(self, tokens: mx.array) -> mx.array:

@@ -1,0 +1,243 @@
+#!/usr/bin/env python3
+"""The H200 table of the GPU-decode and long-prompt issues, in one run (< 9 minutes).
+
+Decode cases fill the caches directly (random K/V encoded to the context, as a prefill would
+leave them) and then time >= 128 decode steps, the first 8 dropped, mlx-lm in the same
+process and interleaved with mlxkv (repeats, median with min..max). Prefill cases feed real
+prompts. Writes one JSON in `mlxkv bench --output`'s format to $OUT (and --output), prints
+the table.
+
+    python scripts/gpu_bench.py [--shape llama-8b] [--gen 128] [--repeats 3] [--output benchmarks/h200-llama-8b.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+from kvcore.attention.config import AttentionConfig
+from kvcore.backend import backend_name, versions
+from kvcore.bench.bandwidth import memory_bandwidth
+from kvcore.bench.grid import scheme_policy
+from kvcore.bench.measure import step_weight_bytes, weight_bytes
+from kvcore.bench.shapes import build_random_model
+from kvcore.cache import CompressedKVCache
+from kvcore.engine import Engine, GenerateConfig, Request, kv_summary
+
+OUT = Path(os.environ.get("OUT", "gpu-out"))
+T0 = time.perf_counter()
+ROWS: list[dict] = []
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - T0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def emit(row: dict) -> None:
+    ROWS.append(row)
+    OUT.mkdir(parents=True, exist_ok=True)
+    with open(OUT / "rows.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")
+    log(json.dumps({k: row.get(k) for k in ("engine", "scheme", "context", "batch", "decode_tps", "prefill_tps",
+                                            "peak_memory_gb", "error")}))
+
+
+# -- filling caches directly --------------------------------------------------------------
+def fill(caches: list, ctx: int, heads: int, head_dim: int, dtype, piece: int = 8192) -> list:
+    """Random K/V for `ctx` tokens into every attention cache, a piece at a time per layer."""
+    for c in caches:
+        if not isinstance(c, (KVCache, CompressedKVCache)):
+            continue
+        for lo in range(0, ctx, piece):
+            n = min(piece, ctx - lo)
+            k = mx.random.normal((1, heads, n, head_dim)).astype(dtype)
+            v = mx.random.normal((1, heads, n, head_dim)).astype(dtype)
+            c.update_and_fetch(k, v)
+            mx.eval([a for a in (c.state if isinstance(c.state, tuple) else [c.state]) if isinstance(a, mx.array)])
+    return caches
+
+
+def rates(stamps: list[float], rows: int, drop: int = 8) -> float:
+    """Tokens per second over the decode steps after the first `drop`."""
+    if len(stamps) <= drop + 1:
+        return 0.0
+    return (len(stamps) - 1 - drop) * rows / (stamps[-1] - stamps[drop])
+
+
+def mlxkv_decode(model, cfg, scheme: str, ctx: int, rows: int, gen: int, kernel: bool) -> dict:
+    policy = scheme_policy(scheme)
+    attention = AttentionConfig(cuda_kernel=kernel)
+    engine = Engine(model, None, policy, rows, GenerateConfig(prefill_chunk=2048), interleave=False,
+                    attention=attention, ignore_eos=True)
+    filled = [fill(engine.runner.new_caches(), ctx, cfg["num_key_value_heads"], cfg["head_dim"], mx.bfloat16)
+              for _ in range(rows)]
+    feed = iter(filled)
+    engine.runner.new_caches = lambda: next(feed)
+    del filled
+    for i in range(rows):
+        engine.add_request(Request((11 + i,), gen, str(i)))
+    mx.synchronize()
+    mx.reset_peak_memory()
+    stamps = []
+    while engine.has_work:
+        engine.step()
+        if engine.trace and engine.trace[-1][0] == "decode":
+            stamps.append(time.perf_counter())
+    kv = engine.peak_kv or {}
+    return {"decode_tps": rates(stamps, rows), "steps": len(stamps), "peak_memory_gb": mx.get_peak_memory() / 1e9,
+            "kv_bytes": kv.get("kv_bytes"), "bits_per_element": kv.get("bits_per_element"),
+            "attention": engine.attention_stats.to_json()}
+
+
+def mlx_lm_decode(model, cfg, ctx: int, gen: int, kv_bits: int | None = None) -> dict:
+    from mlx_lm.generate import generate_step
+
+    caches = fill(make_prompt_cache(model), ctx, cfg["num_key_value_heads"], cfg["head_dim"], mx.bfloat16)
+    kw = {"kv_bits": kv_bits, "kv_group_size": 64, "quantized_kv_start": 0} if kv_bits else {}
+    mx.synchronize()
+    mx.reset_peak_memory()
+    stamps = []
+    try:
+        for _ in generate_step(mx.array([11]), model, max_tokens=gen, prompt_cache=caches, **kw):
+            stamps.append(time.perf_counter())
+    except Exception as e:  # the baseline's failure is a result
+        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"}
+    return {"decode_tps": rates(stamps, 1), "steps": len(stamps), "peak_memory_gb": mx.get_peak_memory() / 1e9,
+            "kv_bytes": sum(c.nbytes for c in caches)}
+
+
+def prefill_case(model, scheme: str | None, ctx: int) -> dict:
+    """Time to first token for a random `ctx`-token prompt (scheme None: mlx-lm bf16)."""
+    prompt = mx.random.randint(3, 30000, (ctx,)).tolist()
+    mx.synchronize()
+    mx.reset_peak_memory()
+    t0 = time.perf_counter()
+    if scheme is None:
+        from mlx_lm.generate import generate_step
+        next(generate_step(mx.array(prompt), model, max_tokens=1, prefill_step_size=2048))
+        kv = None
+    else:
+        engine = Engine(model, None, scheme_policy(scheme), 1, GenerateConfig(prefill_chunk=2048), ignore_eos=True)
+        engine.run([Request(tuple(prompt), 1, "p")])
+        kv = engine.peak_kv.get("kv_bytes")
+    mx.synchronize()
+    t = time.perf_counter() - t0
+    return {"prefill_tps": ctx / t, "ttft_s": t, "peak_memory_gb": mx.get_peak_memory() / 1e9, "kv_bytes": kv}
+
+
+def case(engine: str, scheme: str, ctx: int, batch: int, runs: list[dict], extra: dict | None = None) -> None:
+    ok = [r for r in runs if "error" not in r]
+    row = {"engine": engine, "scheme": scheme, "context": ctx, "batch": batch, **(extra or {})}
+    if not ok:
+        row["error"] = runs[0].get("error", "not run") if runs else "not run"
+    else:
+        key = "decode_tps" if "decode_tps" in ok[0] else "prefill_tps"
+        vals = [r[key] for r in ok]
+        best = sorted(ok, key=lambda r: r[key])[len(ok) // 2]
+        row.update(best)
+        row.update({f"{key}_min": min(vals), f"{key}_max": max(vals), key: statistics.median(vals), "repeats": len(ok)})
+    emit(row)
+    mx.clear_cache()
+
+
+def guarded(fn, *a, **k) -> dict:
+    try:
+        return fn(*a, **k)
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="llama-8b")
+    ap.add_argument("--gen", type=int, default=136)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--budget-s", type=float, default=500, help="skip the remaining cases past this time")
+    ap.add_argument("--tests", action="store_true", help="also run the test suite on this device first")
+    ap.add_argument("--output", default=None)
+    ap.add_argument("--smoke", action="store_true", help="tiny contexts (a CPU check of the script itself)")
+    a = ap.parse_args()
+    OUT.mkdir(parents=True, exist_ok=True)
+    if a.tests:
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-n", "8",
+                            "--timeout", "300"], capture_output=True, text=True, timeout=400)
+        (OUT / "pytest.log").write_text(r.stdout + r.stderr)
+        log(f"tests rc={r.returncode}: {(r.stdout + r.stderr).strip().splitlines()[-1:]}")
+    bw = memory_bandwidth(1 << 30)
+    log(f"bandwidth {bw}")
+    model, cfg = build_random_model(a.shape)
+    cfg = cfg.get("text_config", cfg)
+    cfg.setdefault("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+    cfg.setdefault("num_key_value_heads", cfg["num_attention_heads"])
+    meta = {"backend": backend_name(), "device": mx.device_info().get("device_name", ""), "shape": a.shape,
+            "weight_bytes": weight_bytes(model), "step_weight_bytes": step_weight_bytes(model), "weight_bits": 16,
+            "bandwidth": bw, "versions": versions(), "date": time.strftime("%Y-%m-%d"), "gen": a.gen}
+    log("warm-up")
+    mlx_lm_decode(model, cfg, 512, 16)
+    mlxkv_decode(model, cfg, "full", 512, 1, 16, False)
+    mlxkv_decode(model, cfg, "affine:4", 512, 1, 16, False)
+    guarded(mlxkv_decode, model, cfg, "affine:4", 512, 1, 16, True)
+
+    def over() -> bool:
+        return time.perf_counter() - T0 > a.budget_s
+
+    plan = [  # (context, rows, [(engine, scheme, kernel)])
+        (512, 1, [("mlx-lm", "bf16", None), ("mlxkv", "full", False), ("mlxkv", "affine:4", False),
+                  ("mlxkv", "affine:4", True)]),
+        (32768, 1, [("mlx-lm", "bf16", None), ("mlxkv", "full", False), ("mlxkv", "affine:4", False),
+                    ("mlxkv", "affine:4", True), ("mlxkv", "affine:8", True), ("mlxkv", "turbo:k4v3", False),
+                    ("mlx-lm", "affine:4", None)]),
+        (131072, 1, [("mlx-lm", "bf16", None), ("mlxkv", "affine:4", False), ("mlxkv", "affine:4", True),
+                     ("mlxkv", "turbo:k4v3", False)]),
+        (8192, 16, [("mlxkv", "full", False), ("mlxkv", "affine:4", False), ("mlxkv", "affine:4", True)]),
+    ]
+    prefills = (32768, 65536, 131072)
+    if a.smoke:
+        plan = [(c // 256, min(r, 4), e) for c, r, e in plan]
+        prefills = (256, 512)
+    for ctx, rows, engines in plan:
+        runs = {i: [] for i in range(len(engines))}
+        for _ in range(a.repeats if ctx <= 32768 else 2):
+            for i, (eng, scheme, kernel) in enumerate(engines):
+                if over():
+                    break
+                if eng == "mlx-lm":
+                    bits = None if scheme == "bf16" else int(scheme.split(":")[1])
+                    if bits and runs[i]:
+                        continue  # a failure needs showing once
+                    runs[i].append(guarded(mlx_lm_decode, model, cfg, ctx, a.gen, bits))
+                else:
+                    runs[i].append(guarded(mlxkv_decode, model, cfg, scheme, ctx, rows, a.gen, kernel))
+                mx.clear_cache()
+        for i, (eng, scheme, kernel) in enumerate(engines):
+            case(eng, scheme, ctx, rows, runs[i], {"kernel": kernel} if eng == "mlxkv" else None)
+    for ctx in prefills:
+        for scheme in (None, "affine:4"):
+            if over():
+                break
+            r = guarded(prefill_case, model, scheme, ctx)
+            case("mlx-lm" if scheme is None else "mlxkv", scheme or "bf16", ctx, 1, [r], {"kind": "prefill"})
+            if scheme and "ttft_s" in r and r["ttft_s"] > 60:
+                break  # the old blockwise prefill: longer contexts would not fit the run
+    doc = {"meta": meta, "rows": ROWS}
+    (OUT / "gpu_bench.json").write_text(json.dumps(doc, indent=1))
+    if a.output:
+        Path(a.output).write_text(json.dumps(doc, indent=1))
+    print(f"{'engine':7} {'scheme':11} {'ctx':>7} {'B':>3} {'decode':>8} {'prefill':>8} {'peakGB':>7}  note")
+    for r in ROWS:
+        print(f"{r['engine']:7} {r['scheme']:11} {r['context']:>7} {r['batch']:>3} {r.get('decode_tps', 0):8.1f} "
+              f"{r.get('prefill_tps', 0):8.0f} {r.get('peak_memory_gb', 0):7.2f}  "
+              f"{('kernel ' if r.get('kernel') else '') + (r.get('error') or (r.get('attention') or {}).get('path', ''))}")
+
+
+if __name__ == "__main__":
+    main()
