@@ -132,7 +132,11 @@ def run_generate(job: GenerateJob, on_text: Callable[[str], None] | None = None,
             if messages is not None and layout.single:
                 save_conversation(job.save_cache, messages + [{"role": "assistant", "content": done.text}],
                                   held_ids(ids, done, cache_offset(caches)))
-    converted = any(getattr(c, "converted", False) and c.key_codec is not None for c in caches)
+    kv = kv_summary(caches)
+    converted = kv["compressed_tokens"] > 0  # the codec really holds tokens, not just a flag
+    if compresses and not converted and completions and not any(n.startswith("KV stays") for n in notices):
+        note("nothing was compressed: every stored token is still full precision (the conversion "
+             "start was not reached, or a codec block of tokens never filled)")
     summary = {
         "type": "summary",
         "model": lm.source,
@@ -140,7 +144,7 @@ def run_generate(job: GenerateJob, on_text: Callable[[str], None] | None = None,
         "prompt_tokens": sum(c.prompt_tokens for c in completions),
         "generated_tokens": sum(len(c.token_ids) for c in completions),
         "peak_memory_bytes": mx.get_peak_memory(),
-        **kv_summary(caches),
+        **kv,
         "kv_policy": kv_policy,
         "converted": converted,
         "plan": [p.to_json() for p in plan],

@@ -32,7 +32,10 @@ def run_batch(job: GenerateJob, specs: list[PromptSpec], opts: BatchOptions,
         raise MlxkvError(f"--max-tokens must be >= 0, got {job.max_tokens}")
     policy = resolve_policy(job.kv)
     lm, dist = load_for_run(job.model, job.dtype, repr((job, specs, opts)))
-    return run_engine(lm, dist, job, specs, opts, policy, on_finish)
+    result = run_engine(lm, dist, job, specs, opts, policy, on_finish)
+    for n in result.notices if on_notice else ():
+        on_notice(n)
+    return result
 
 
 def run_engine(lm, dist, job: GenerateJob, specs: list[PromptSpec], opts: BatchOptions, policy,
@@ -48,7 +51,19 @@ def run_engine(lm, dist, job: GenerateJob, specs: list[PromptSpec], opts: BatchO
     wall = time.perf_counter() - t0
     summary = batch_summary(lm, completions, engine, opts.batch_size, policy, plan, budget, wall,
                             engine.attention_stats.path, dist.size)
-    return RunResult(completions, summary, [])
+    return RunResult(completions, summary, compression_notes(policy, requests, summary))
+
+
+def compression_notes(policy, requests: list[Request], summary: dict) -> list[str]:
+    """Say plainly when a compressing policy compressed nothing (batch and speculative runs)."""
+    if not policy.compresses or summary.get("compressed_tokens"):
+        return []
+    longest = max((len(r.prompt_ids) + r.max_tokens for r in requests), default=0)
+    if policy.start >= longest:
+        return [f"KV stays full precision: --quantized-kv-start {policy.start} lies beyond every row's "
+                f"prompt + max tokens (longest {longest})"]
+    return ["nothing was compressed: every stored token is still full precision (the conversion start "
+            "was not reached, or a codec block of tokens never filled)"]
 
 
 def build_requests(lm, job: GenerateJob, specs: list[PromptSpec]) -> list[Request]:
@@ -89,7 +104,8 @@ def batch_summary(lm, completions, engine, batch_size: int, policy, plan, budget
         "aggregate_tps": round(generated / wall, 2) if wall else 0.0,
         "decode_tps": round(engine.decoded / engine.decode_time, 2) if engine.decode_time else 0.0,
         "peak_memory_bytes": mx.get_peak_memory(),
-        **{k: peak_kv.get(k) for k in ("kv_bytes", "kv_elements", "bits_per_element")},
+        **{k: peak_kv.get(k) for k in ("kv_bytes", "kv_elements", "bits_per_element", "compressed_tokens",
+                                       "dense_tokens")},
         "kv_budget_bytes": budget,
         "kv_policy": {"source": policy.source, "codec": policy.label(), "start": policy.start,
                       "max_kv_size": policy.max_kv_size},

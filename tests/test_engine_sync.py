@@ -74,3 +74,24 @@ def test_the_counter_sees_a_sync(monkeypatch):
     x.tolist()
     mx.eval(x)
     assert counter.take() == Counter({"readback": 2, "eval": 1})
+
+
+def test_summary_splits_compressed_and_dense_tokens(llama):
+    """4-bit KV at head_dim 16, groups of 64 tokens along tokens: short rows compress nothing, and
+    the summary says so instead of calling it converted."""
+    from kvcore.engine import kv_summary
+    from kvcore.policy import build_caches
+    from kvcore.run_batch import compression_notes
+
+    model, tok = llama
+    policy = resolve_policy(KVOptions(kv_bits=4, kv_group_size=64, quantized_kv_start=0))
+    short = Engine(model, tok, policy, 2, GenerateConfig(prefill_chunk=8))
+    reqs = [Request(tuple(tok.encode(p)), 4, str(i)) for i, p in enumerate(ROW_PROMPTS[:2])]
+    short.run(reqs)
+    assert short.peak_kv["compressed_tokens"] == 0 and short.peak_kv["dense_tokens"] > 0
+    assert "nothing was compressed" in compression_notes(policy, reqs, short.peak_kv)[0]
+    caches, _ = build_caches(model, policy)
+    model(mx.array([list(range(3, 203))]), cache=caches)
+    kv = kv_summary(caches)
+    layers = sum(1 for c in caches if hasattr(c, "enc"))
+    assert kv["compressed_tokens"] == layers * 192 and kv["dense_tokens"] == layers * 8  # 3 blocks of 64
