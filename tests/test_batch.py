@@ -169,7 +169,8 @@ def test_plain_text_prompts_file(tmp_path):
     p = tmp_path / "prompts.txt"
     p.write_text("first prompt\n\nsecond prompt\n")
     specs = load_prompts_file(p)
-    assert [(s.prompt, s.id) for s in specs] == [("first prompt", "1"), ("second prompt", "3")]
+    # ids by position among the prompts from 0, as -p rows (blank lines skipped)
+    assert [(s.prompt, s.id) for s in specs] == [("first prompt", "0"), ("second prompt", "1")]
 
 
 def test_cli_prompts_file_json(tmp_path):
