@@ -12,6 +12,7 @@ loop's call_soon_threadsafe). The thread blocks on the queue when there is no wo
 
 from __future__ import annotations
 
+import gc
 import queue
 import threading
 from concurrent.futures import Future
@@ -65,6 +66,11 @@ class EngineWorker:
         if self._thread.is_alive():
             self._commands.put(("stop", None, None))
             self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.engine = None
+        # MLX objects of the ended thread left in reference cycles until the interpreter exits
+        # abort it there (std::terminate): collect them now
+        gc.collect()
 
     @property
     def alive(self) -> bool:
