@@ -115,3 +115,13 @@ def test_another_layout_is_refused(saved, current, says):
     with pytest.raises(MlxkvError, match=says):
         check_sharding(saved, current)
     check_sharding(saved, saved)
+
+
+@needs_launch
+def test_speculative_decoding_on_two_ranks_is_refused_by_name(tiny_models):
+    """The speculative job loads as plain runs do (load_for_run); under 2 ranks it says why it stops."""
+    model = str(tiny_models("llama"))
+    r = launch(f"{MLXKV} generate -m {model} -p 'Tom and' -n 4 --draft prompt-lookup", 35260, timeout=120)
+    assert r.stderr.count("speculative decoding runs on one rank; this launch has 2") >= 1, r.stderr[-2000:]
+    assert "exited with code 1" in r.stderr  # mlx.launch itself exits 0; the ranks did not
+    assert "Traceback" not in r.stderr
