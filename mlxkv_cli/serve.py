@@ -31,6 +31,7 @@ def serve(
     served_model_name: Annotated[Optional[str], typer.Option(help="The model id clients name (default: the model's name).")] = None,
     cors: Annotated[Optional[list[str]], typer.Option(help="Allow browser requests from this origin (repeatable; default: none).")] = None,
     shutdown_timeout: Annotated[float, typer.Option(help="Seconds running requests get to finish on SIGINT/SIGTERM.")] = 30.0,
+    prefix_cache_bytes: Annotated[str, typer.Option(help="RAM for the caches of earlier prompts, reused by requests that start with them, e.g. 4GB (0: off).")] = "0",
     kv: KvOpt = None,
     kv_bits: KvBitsOpt = None,
     kv_group_size: KvGroupOpt = None,
@@ -55,6 +56,7 @@ def serve(
         max_queue=max_queue, api_key=api_key, max_body_bytes=parse_bytes(max_body_bytes, "--max-body-bytes"),
         max_tokens=max_tokens, prefill_chunk=prefill_chunk, model_name=served_model_name,
         cors=tuple(cors or ()), shutdown_timeout=shutdown_timeout,
+        prefix_cache_bytes=parse_bytes(prefix_cache_bytes, "--prefix-cache-bytes"),
     )
     resolve_policy(config.kv)  # bad KV flags fail before any download
     fetch_model(model, offline)

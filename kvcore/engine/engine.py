@@ -59,6 +59,7 @@ class Engine:
         self.decode_time = 0.0  # wall seconds inside decode steps
         self.decoded = 0  # tokens produced by decode steps
         self.peak_kv: dict = {}  # kv_summary of the running caches when they held the most
+        self.prefix = None  # optional prefix store: .restore(seq) on admission, .store(seq) once its prompt is in
 
     def decoder_policy(self, policy: KVPolicy) -> KVPolicy:
         adapt = getattr(self.decoder, "policy", None)
@@ -110,6 +111,8 @@ class Engine:
             seq = sch.admit()
             if seq is not None:
                 seq.caches = self.runner.new_caches()
+                if self.prefix is not None:
+                    self.prefix.restore(seq)  # may start it from cached prompt tokens (seq.done_prompt)
         seq = sch.admitting
         if seq is not None and seq.finished:  # aborted while prefilling
             sch.joined(seq)
@@ -144,6 +147,8 @@ class Engine:
             return []
         tok = self.runner.sample(logits, [seq])
         mx.eval(tok)
+        if self.prefix is not None:
+            self.prefix.store(seq)  # its caches hold exactly its prompt here
         seq.started()
         events = []
         if not seq.finished:

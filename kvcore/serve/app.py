@@ -147,7 +147,7 @@ def create_app(worker: EngineWorker, served: Served) -> FastAPI:
             gen.close()
         if c is None:
             return Response(status_code=499)
-        return P.chat_response(rid, served.name, c.text, c.finish_reason, usage_of(c))
+        return P.chat_response(rid, served.name, c.text, c.finish_reason, usage_of(gen))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -163,7 +163,7 @@ def create_app(worker: EngineWorker, served: Served) -> FastAPI:
             gen.close()
         if c is None:
             return Response(status_code=499)
-        return P.completion_response(rid, served.name, c.text, c.finish_reason, usage_of(c))
+        return P.completion_response(rid, served.name, c.text, c.finish_reason, usage_of(gen))
 
     def model_card() -> dict:
         return {"id": served.name, "object": "model", "created": state.started, "owned_by": "mlxkv"}

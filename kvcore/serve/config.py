@@ -27,6 +27,7 @@ class ServeConfig:
     model_name: str | None = None  # the id clients name (default: the model's)
     cors: tuple[str, ...] = ()
     shutdown_timeout: float = 30.0  # seconds running rows get to finish on SIGINT/SIGTERM
+    prefix_cache_bytes: int = 0  # RAM for prompt caches reused by later requests (0: off)
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:
@@ -43,6 +44,8 @@ class ServeConfig:
             raise MlxkvError(f"--prefill-chunk must be >= 1, got {self.prefill_chunk}")
         if self.api_key is not None and not self.api_key.strip():
             raise MlxkvError("--api-key must not be empty")
+        if self.prefix_cache_bytes < 0:
+            raise MlxkvError(f"--prefix-cache-bytes must be >= 0, got {self.prefix_cache_bytes}")
         if self.shutdown_timeout < 0:
             raise MlxkvError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")
 

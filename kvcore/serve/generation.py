@@ -11,7 +11,7 @@ from typing import AsyncIterator, Callable
 from ..engine import Completion, Request, TokenEvent
 from . import protocol as P
 from .errors import APIError
-from .worker import ACCEPTED, EngineWorker
+from .worker import ACCEPTED, EngineWorker, Finished
 
 
 class Generation:
@@ -19,6 +19,7 @@ class Generation:
         self.worker, self.request, self.on_close = worker, request, on_close
         self.queue: asyncio.Queue = asyncio.Queue()
         self.completion: Completion | None = None
+        self.cached_tokens = 0  # prompt tokens reused from the prefix cache
         self.closed = False
         loop = asyncio.get_running_loop()
 
@@ -42,8 +43,9 @@ class Generation:
             item = await self.queue.get()
             if isinstance(item, APIError):
                 raise item
-            if isinstance(item, Completion):
-                self.completion = item
+            if isinstance(item, Finished):
+                self.completion, self.cached_tokens = item.completion, item.cached_tokens
+                item = item.completion
             yield item
 
     async def result(self) -> Completion:
@@ -61,8 +63,9 @@ class Generation:
         self.on_close()
 
 
-def usage_of(c: Completion) -> dict:
-    return P.usage(c.prompt_tokens, len(c.token_ids))
+def usage_of(gen: Generation) -> dict:
+    c = gen.completion
+    return P.usage(c.prompt_tokens, len(c.token_ids), gen.cached_tokens)
 
 
 async def until_disconnect(receive) -> None:
@@ -96,7 +99,7 @@ async def chat_events(gen: Generation, rid: str, model: str, include_usage: bool
             if isinstance(item, Completion):
                 yield _data(P.chat_chunk(rid, model, created, {}, item.finish_reason))
                 if include_usage:
-                    yield _data(P.chat_chunk(rid, model, created, {}, use=usage_of(item)))
+                    yield _data(P.chat_chunk(rid, model, created, {}, use=usage_of(gen)))
             elif item.text:
                 yield _data(P.chat_chunk(rid, model, created, {"content": item.text}))
         yield {"data": "[DONE]"}
@@ -113,7 +116,7 @@ async def completion_events(gen: Generation, rid: str, model: str, include_usage
             if isinstance(item, Completion):
                 yield _data(P.completion_chunk(rid, model, created, "", item.finish_reason))
                 if include_usage:
-                    yield _data(P.completion_chunk(rid, model, created, "", use=usage_of(item)))
+                    yield _data(P.completion_chunk(rid, model, created, "", use=usage_of(gen)))
             elif item.text:
                 yield _data(P.completion_chunk(rid, model, created, item.text))
         yield {"data": "[DONE]"}

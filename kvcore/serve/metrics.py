@@ -49,13 +49,16 @@ class EngineMetrics:
 
 def snapshot(engine) -> dict:
     """Gauges read on the engine thread (the caches are its arrays)."""
-    sch = engine.scheduler
+    sch, prefix = engine.scheduler, engine.prefix
     caches = [c for c in (engine.caches or [])]
     if sch.admitting is not None and sch.admitting.caches:
         caches += list(sch.admitting.caches)
     return {"running": len(sch.running), "prefilling": int(sch.admitting is not None), "waiting": len(sch.waiting),
             "kv_bytes": kv_summary(caches)["kv_bytes"] if caches else 0, "kv_reserved_bytes": sch.reserved,
-            "kv_budget_bytes": sch.kv_budget or 0, "batch_size": sch.batch_size}
+            "kv_budget_bytes": sch.kv_budget or 0, "batch_size": sch.batch_size,
+            "prefix": None if prefix is None else {"entries": len(prefix.entries), "bytes": prefix.nbytes,
+                                                   "capacity": prefix.capacity, "hits": prefix.hits,
+                                                   "lookups": prefix.lookups, "reused": prefix.reused_tokens}}
 
 
 def render(m: EngineMetrics, gauges: dict, http: Counter, in_flight: int) -> str:
@@ -89,4 +92,15 @@ def render(m: EngineMetrics, gauges: dict, http: Counter, in_flight: int) -> str
            [(f'{{reason="{r}"}}', n) for r, n in sorted(m.finish.items())] or [('{reason="stop"}', 0)])
     metric("http_refused_total", "counter", "Requests refused, by HTTP status.",
            [(f'{{status="{s}"}}', n) for s, n in sorted(http.items())] or [('{status="429"}', 0)])
+    p = gauges.get("prefix")
+    if p is not None:
+        metric("prefix_cache_entries", "gauge", "Prompts held by the prefix cache.", [("", p["entries"])])
+        metric("prefix_cache_bytes", "gauge", "Bytes the prefix cache holds.", [("", p["bytes"])])
+        metric("prefix_cache_capacity_bytes", "gauge", "The prefix cache's bound (--prefix-cache-bytes).",
+               [("", p["capacity"])])
+        metric("prefix_cache_lookups_total", "counter", "Admitted rows looked up in the prefix cache.",
+               [("", p["lookups"])])
+        metric("prefix_cache_hits_total", "counter", "Rows that started from cached prompt tokens.", [("", p["hits"])])
+        metric("prefix_cache_reused_tokens_total", "counter", "Prompt tokens not prefilled thanks to the cache.",
+               [("", p["reused"])])
     return "\n".join(lines) + "\n"

@@ -13,6 +13,7 @@ from ..models import trained_context
 from ..policy import KVPolicy, resolve_policy
 from ..run_batch import BatchOptions, admission
 from .config import ServeConfig
+from .prefix import PrefixCache
 
 
 @dataclass
@@ -46,8 +47,11 @@ class Served:
 
     def new_engine(self) -> Engine:
         c = self.config
-        return Engine(self.lm.model, self.lm.tokenizer, self.policy, c.batch_size,
-                      GenerateConfig(prefill_chunk=c.prefill_chunk), kv_budget=self.budget, batch_need=self.need)
+        engine = Engine(self.lm.model, self.lm.tokenizer, self.policy, c.batch_size,
+                        GenerateConfig(prefill_chunk=c.prefill_chunk), kv_budget=self.budget, batch_need=self.need)
+        if c.prefix_cache_bytes:
+            engine.prefix = PrefixCache(c.prefix_cache_bytes, engine.runner.new_caches)
+        return engine
 
 
 def load_served(config: ServeConfig) -> Served:

@@ -3,7 +3,7 @@
 ```
 HTTP handlers --submit/abort/call--> commands --> [engine thread] add_request / abort / step
       ^                                                    |
-      +--- push(item) per request: "accepted" | TokenEvent | Completion | APIError
+      +--- push(item) per request: "accepted" | TokenEvent... | Finished (or an APIError)
 ```
 Every MLX call happens on this thread (the model is loaded here too). A request's `push` is
 called from this thread and must hand the item over thread-safely (the app uses the event
@@ -16,9 +16,10 @@ import gc
 import queue
 import threading
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Callable
 
-from ..engine import Request
+from ..engine import Completion, Request
 from ..errors import MlxkvError
 from .errors import APIError
 from .metrics import EngineMetrics
@@ -26,6 +27,14 @@ from .served import Served
 
 Push = Callable[[object], None]
 ACCEPTED = "accepted"
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A request's last item: its Completion, and how many prompt tokens came from the prefix cache."""
+
+    completion: Completion
+    cached_tokens: int = 0
 
 
 class EngineWorker:
@@ -150,11 +159,13 @@ class EngineWorker:
         """Finished rows (also those that ended without an event: aborted, max_tokens 0) hand
         their Completion over and leave; the engine keeps none of them."""
         done = self.engine.done
+        prefix = self.engine.prefix
         for rid, completion in done.items():
             push = self._sinks.pop(rid, None)
             self.metrics.finished(completion)
+            cached = prefix.reused.pop(rid, 0) if prefix is not None else 0
             if push is not None:
-                push(completion)
+                push(Finished(completion, cached))
         done.clear()
         del self.engine.trace[:]  # the server reads its figures per step (metrics), never the history
 
