@@ -78,7 +78,8 @@ class ChatSession:
             mx.eval(logits)
             seq.started()
             if not seq.finished:
-                for tok in decode_tokens(model, self.caches, logits, _row_sampler(seq), seq.request.max_tokens):
+                for tok in decode_tokens(model, self.caches, logits, _row_sampler(seq), seq.request.max_tokens,
+                                         seq.constraint is None):
                     event = seq.take(tok)
                     if on_text and event.text:
                         on_text(event.text)

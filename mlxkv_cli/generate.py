@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from kvcore.engine import SamplingConfig
+from kvcore.engine.constrain import ConstraintSpec
 from kvcore.codecs import BITS
 from kvcore.errors import MlxkvError
 from kvcore.models import context_notice, dtype_name, read_config
@@ -46,6 +47,9 @@ def generate(
     repetition_context_size: Annotated[int, typer.Option(help="Tokens the repetition penalty looks back on.")] = 20,
     logprobs: Annotated[Optional[int], typer.Option(help="With --json: each token's log-probability and the top N (the model's distribution).")] = None,
     stop: Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable).")] = None,
+    json_schema: Annotated[Optional[str], typer.Option(help="Constrain the output to a JSON schema (a file or inline JSON).")] = None,
+    regex: Annotated[Optional[str], typer.Option(help="Constrain the output to match this regex.")] = None,
+    grammar: Annotated[Optional[Path], typer.Option(help="Constrain the output to a Lark grammar (file).")] = None,
     kv: KvOpt = None,
     kv_bits: KvBitsOpt = None,
     kv_group_size: KvGroupOpt = None,
@@ -77,7 +81,8 @@ def generate(
         prompts=[],
         model=model, dtype=dtype, system=system_prompt, chat_template=not no_chat_template,
         max_tokens=max_tokens, stop=tuple(stop or ()),
-        sampling=SamplingConfig(temp, top_p, min_p, seed, top_k, repetition_penalty, repetition_context_size, logprobs),
+        sampling=SamplingConfig(temp, top_p, min_p, seed, top_k, repetition_penalty, repetition_context_size, logprobs,
+                                constraint_flag(json_schema, regex, grammar)),
         kv=KVOptions(kv_bits, kv_group_size, quantized_kv_start, str(kv_config) if kv_config else None,
                      max_kv_size, kv_keep, profile, kv),
         prefill_chunk=prefill_chunk,
@@ -125,6 +130,13 @@ def generate(
     if verbose:
         output.plan_table(result.summary["plan"])
     output.stats_line(result.completions[-1], result.summary)
+
+
+def constraint_flag(json_schema: str | None, regex: str | None, grammar: Path | None) -> ConstraintSpec | None:
+    given = [(k, v) for k, v in (("json_schema", json_schema), ("regex", regex), ("grammar", grammar)) if v is not None]
+    if len(given) > 1:
+        raise MlxkvError("give one constraint: --json-schema, --regex or --grammar")
+    return ConstraintSpec.from_flag(given[0][0], str(given[0][1])) if given else None
 
 
 def check_draft_flags(draft: str | None, draft_model: str | None, draft_kv_bits: int | None) -> None:

@@ -47,7 +47,8 @@ class PlainDecode:
         out = self.queued
         if out is None:
             out = self._next(engine, mx.array([[s.next_token] for s in rows]), rows)
-        more = any(s.remaining > 1 for s in rows)
+        # a constrained row's next mask needs this step's token: no step is queued ahead then
+        more = any(s.remaining > 1 for s in rows) and all(s.constraint is None for s in rows)
         self.queued = self._next(engine, token_column(out), rows) if more else None
         if self.queued is not None:
             mx.async_eval(self.queued)

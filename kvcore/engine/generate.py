@@ -20,21 +20,27 @@ from .sequence import Completion, Request, Sequence
 __all__ = ["Completion", "GenerateConfig", "Request", "decode_tokens", "generate_one"]
 
 
-def decode_tokens(model: nn.Module, caches: list, logits: mx.array, sample: Callable, n: int) -> Iterator:
+def decode_tokens(model: nn.Module, caches: list, logits: mx.array, sample: Callable, n: int,
+                  pipelined: bool = True) -> Iterator:
     """Sample from `logits` (1, V), then keep feeding each sampled token back; yields n read-back
     samples (a token id, or a packed row with its logprobs: `Sequence.take` reads either).
 
-    The next step is queued (async_eval) before the current token is read back.
+    The next step is queued (async_eval) before the current token is read back; not `pipelined`
+    (a constrained row: the next mask needs this token), it is built once the caller took it.
     """
     y = sample(logits)
     mx.async_eval(y)
-    for i in range(n):
+    for i in range(n if pipelined else 0):
         nxt = None
         if i + 1 < n:
             nxt = sample(forward(model, token_column(y), caches)[:, -1, :])
             mx.async_eval(nxt)
         yield y.tolist()[0]
         y = nxt
+    for i in range(0 if pipelined else n):
+        yield y.tolist()[0]
+        if i + 1 < n:
+            y = sample(forward(model, token_column(y), caches)[:, -1, :])
 
 
 def _row_sampler(seq: Sequence) -> Callable:
@@ -57,7 +63,8 @@ def generate_one(model: nn.Module, tokenizer, request: Request, caches: list,
     mx.eval(logits)
     seq.started()
     if not seq.finished:
-        for tok in decode_tokens(model, caches, logits, _row_sampler(seq), request.max_tokens):
+        for tok in decode_tokens(model, caches, logits, _row_sampler(seq), request.max_tokens,
+                                 seq.constraint is None):
             event = seq.take(tok)
             if on_text and event.text:
                 on_text(event.text)

@@ -17,6 +17,7 @@ from ..attention.config import AttentionConfig, AttentionStats
 from ..cache.dense_batch import DenseBatchKVCache
 from ..policy import KVPolicy, build_caches
 from .forward import forward, prefill_chunk
+from .constrain import apply_masks
 from .sampling import SamplingConfig, pack_logprobs
 from .sequence import Sequence
 
@@ -99,7 +100,8 @@ class Runner:
         repetition penalty are sampled apart (a seeded row draws from its own random state).
         When a row asks for log-probabilities they ride along: (B, 2 + 2N) (sampling.py)."""
         lp = logprobs(logits)
-        if all(s.sampling is self.sampling and s.key is None for s in seqs) and not self.sampling.penalized:
+        if all(s.sampling is self.sampling and s.key is None and s.constraint is None for s in seqs) \
+                and not self.sampling.penalized:
             tokens = self.sampler(lp)
         else:
             tokens = mx.concatenate([sample_row(logits[b : b + 1], s, self, lp[b : b + 1])
@@ -123,6 +125,8 @@ def sample_row(logits: mx.array, seq: Sequence, runner: Runner | None = None, lp
     cfg = seq.sampling
     if cfg.penalized:
         logits, lp = cfg.penalize(seq.history, logits), None
+    if seq.constraint is not None:  # its grammar's mask for the next token
+        logits, lp = apply_masks(logits, [seq.constraint.bits()]), None
     lp = logprobs(logits) if lp is None else lp
     if cfg.temp == 0:
         tok = mx.argmax(lp, axis=-1)

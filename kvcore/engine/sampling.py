@@ -26,6 +26,7 @@ import numpy as np
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, categorical_sampling, make_repetition_penalty
 
 from ..errors import MlxkvError
+from .constrain import ConstraintSpec
 
 MAX_LOGPROBS = 100
 
@@ -40,6 +41,7 @@ class SamplingConfig:
     repetition_penalty: float = 1.0  # 1: off
     repetition_context_size: int = 20
     logprobs: int | None = None  # None: not asked; N: the chosen token's and the top N per token
+    constraint: ConstraintSpec | None = None  # a JSON schema, regex or grammar the output must match
 
     def __post_init__(self):
         if not isinstance(self.temp, (int, float)) or not math.isfinite(self.temp) or self.temp < 0:

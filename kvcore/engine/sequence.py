@@ -96,6 +96,11 @@ class Sequence:
         if self.sampling.logprobs is not None:
             self.out.logprobs = []
         self.history: mx.array | None = None  # the last tokens the repetition penalty sees (lazy)
+        self.constraint = None  # its token mask's matcher (constrain.py)
+        if self.sampling.constraint is not None:
+            from .constrain import Constraint
+
+            self.constraint = Constraint(self.sampling.constraint, tokenizer)
         if self.sampling.penalized:
             self.history = mx.array(list(request.prompt_ids[-self.sampling.repetition_context_size:]), mx.int32)
         self._shown = 0  # characters of text already handed out in events
@@ -144,6 +149,8 @@ class Sequence:
             self.out.eos_token = tok
             return self.finish("eos")
         self.out.token_ids.append(tok)
+        if self.constraint is not None:
+            self.constraint.consume(tok)
         if self.out.logprobs is not None:
             self.out.logprobs.append(logprob)
         self.next_token = tok

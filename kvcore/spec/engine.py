@@ -22,6 +22,7 @@ from dataclasses import replace
 
 import mlx.nn as nn
 
+from ..engine.constrain import apply_masks, verify_masks
 from ..engine.engine import Engine, GenerateConfig
 from ..engine.sequence import TokenEvent
 from ..errors import MlxkvError
@@ -93,8 +94,11 @@ class SpeculativeDecode:
         ckpt = Checkpoint.take(caches)
         tokens, lengths = pad(fed)
         logits = feed(engine.model, caches, tokens, lengths)  # (B, K, V)
+        raw = logits
+        if any(r.constraint is not None for r in rows):  # each position masked after the drafts before it
+            logits = apply_masks(logits, verify_masks(rows, drafts, logits.shape[1]))
         verdict = self._verify(engine, logits, drafts, proposal.probs)
-        lps = row_logprobs(logits, verdict.tokens, [r.sampling.logprobs for r in rows])  # the target's
+        lps = row_logprobs(raw, verdict.tokens, [r.sampling.logprobs for r in rows])  # the target's
         self.stats.replays += rollback(engine.model, caches, fed, [a + 1 for a in verdict.accepted], ckpt)
         self.draft.accept(verdict.accepted)
         self.stats.record([len(d) for d in drafts], verdict.accepted, tokens.shape[1])
