@@ -95,6 +95,24 @@ def test_a_client_that_disconnects_frees_its_row(server):
     assert post(server.url, body(server))[0] == 200
 
 
+def test_a_client_that_leaves_before_a_whole_answer_frees_its_row(server):
+    state = server.app.state.serve
+    aborted = lambda: metric(metrics(server), "requests_finished_total", '{reason="abort"}')  # noqa: E731
+    before = aborted()
+    first = hold(server)
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps({"model": server.served.name, "prompt": "Tom", "max_tokens": 200}),
+                 {"Content-Type": "application/json"})
+    wait_for(lambda: state.in_flight == 1)
+    second = hold(server, started=False)
+    first.set()
+    conn.close()  # gone before the answer (not streamed) is ready
+    wait_for(lambda: state.in_flight == 0)
+    second.set()
+    wait_for(lambda: aborted() == before + 1)
+    assert post(server.url, body(server))[0] == 200
+
+
 def test_a_row_the_kv_budget_never_holds_is_refused(server):
     status, err = post(server.url, body(server, max_tokens=300))
     assert status == 400 and err["error"]["code"] == "context_length_exceeded"
@@ -140,3 +158,22 @@ def test_without_the_serve_extra_it_is_one_line(monkeypatch):
 def test_bad_serve_flags_are_one_line(args, message):
     r = CliRunner().invoke(build_app(), ["serve", *args])
     assert r.exit_code == 1 and message in r.output and len(r.output.strip().splitlines()) == 1
+
+
+def test_a_failing_step_fails_its_requests_and_a_fresh_engine_serves_on(server):
+    def break_next_step(engine):
+        def boom():
+            raise RuntimeError("boom")
+        engine._decode_step = boom  # fault injection: the next decode step raises
+
+    release = hold(server)
+    with ThreadPoolExecutor(1) as pool:
+        failing = pool.submit(post, server.url, body(server))
+        wait_for(lambda: server.app.state.serve.in_flight == 1)
+        server.worker.call(break_next_step)
+        release.set()
+        status, err = failing.result()
+    assert status == 500 and err["error"]["message"] == "internal error: RuntimeError: boom"
+    ok, r = post(server.url, body(server))
+    assert ok == 200 and r["usage"]["completion_tokens"] == 4
+    assert get(server.url, "/health") == (200, {"status": "ok"})

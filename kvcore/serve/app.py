@@ -28,6 +28,7 @@ from .served import Served
 from .worker import EngineWorker
 
 OPEN_PATHS = ("/health",)
+METRICS_WAIT_S = 30.0  # /metrics waits at most this long for the engine thread (one step)
 DRAIN_BYTES = 64 * 2**20  # an oversized body up to this size is read (and dropped) before the 413
 
 
@@ -124,6 +125,8 @@ def create_app(worker: EngineWorker, served: Served) -> FastAPI:
 
     async def start(body, ids: list[int], rid: str) -> Generation:
         req = engine_request(body, rid, ids, served)
+        if not worker.alive:
+            raise APIError(503, "the engine has stopped", code="engine_stopped")
         state.enter()
         gen = Generation(worker, req, state.leave)
         try:
@@ -185,7 +188,12 @@ def create_app(worker: EngineWorker, served: Served) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        gauges = await asyncio.wrap_future(worker.call(snapshot))
+        if not worker.alive:
+            raise APIError(503, "the engine has stopped", code="engine_stopped")
+        try:
+            gauges = await asyncio.wait_for(asyncio.wrap_future(worker.call(snapshot)), METRICS_WAIT_S)
+        except asyncio.TimeoutError:
+            raise APIError(503, f"the engine thread did not answer within {METRICS_WAIT_S:g} s", code="busy") from None
         return PlainTextResponse(render(worker.metrics, gauges, state.refused, state.in_flight),
                                  media_type="text/plain; version=0.0.4")
 

@@ -36,7 +36,8 @@ class Generation:
         if isinstance(item, APIError):
             self.close()
             raise item
-        assert item == ACCEPTED
+        if item != ACCEPTED:
+            raise RuntimeError(f"the engine thread answered {item!r} before accepting the request")
 
     async def items(self) -> AsyncIterator[TokenEvent | Completion]:
         while self.completion is None:

@@ -95,6 +95,15 @@ class EngineWorker:
             self._ready.set()
             return
         self._ready.set()
+        try:
+            self._loop()
+        except BaseException as e:  # noqa: BLE001: a bug outside a step; nothing may hang on it
+            self._error = e
+            self._fail_all(APIError(503, f"the engine stopped: {type(e).__name__}: {e}", code="engine_stopped"))
+            self._drain_after_death()
+
+    def _loop(self) -> None:
+        handlers = {"add": self._add, "abort": self._abort, "call": self._call}
         while True:
             block = not self.engine.has_work
             try:
@@ -113,10 +122,27 @@ class EngineWorker:
                 self._shutdown()
                 return
             for kind, a, b in commands:
-                getattr(self, "_" + kind)(a, b)
+                handlers[kind](a, b)
             if self.engine.has_work:
                 self._step()
             self._sweep()
+
+    def _fail_all(self, err: APIError) -> None:
+        for push in self._sinks.values():
+            push(err)
+        self._sinks.clear()
+
+    def _drain_after_death(self) -> None:
+        """Answer what is still queued (a submit racing the crash) instead of leaving it waiting."""
+        while True:
+            try:
+                kind, a, b = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                b(APIError(503, "the engine stopped", code="engine_stopped"))
+            elif kind == "call":
+                b.cancel()
 
     def _add(self, request: Request, push: Push) -> None:
         try:
@@ -143,10 +169,7 @@ class EngineWorker:
         try:
             events = self.engine.step()
         except Exception as e:  # noqa: BLE001: every row in flight fails; a fresh engine serves on
-            err = APIError(500, f"internal error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-            for push in self._sinks.values():
-                push(err)
-            self._sinks.clear()
+            self._fail_all(APIError(500, f"internal error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
             self.engine = self.served.new_engine()
             return
         self.metrics.stepped(self.engine, events)
@@ -173,6 +196,4 @@ class EngineWorker:
         for rid in list(self._sinks):
             self.engine.abort(rid)
         self._sweep()
-        for push in self._sinks.values():
-            push(APIError(503, "the server is shutting down", code="shutting_down"))
-        self._sinks.clear()
+        self._fail_all(APIError(503, "the server is shutting down", code="shutting_down"))
