@@ -7,6 +7,7 @@ from typing import Callable
 
 import mlx.core as mx
 
+from .adapters import apply_adapter
 from .attention.hook import attention_stats, bind
 from .backend import backend_name, versions
 from .engine import GenerateConfig, Request, SamplingConfig, generate_one, kv_summary
@@ -38,6 +39,7 @@ class GenerateJob:
     load_cache: str | None = None  # continue from a saved cache
     continue_mode: str = "append"  # with load_cache: "append" the prompt as raw tokens | it is the "full" prompt
     chat_continue: bool = False  # "append" through the chat template, as a new user turn
+    adapter_path: str | None = None  # an mlx-lm LoRA adapter folder, loaded into the model
 
 
 def _open_files(job: GenerateJob, lm, layout: Sharding):
@@ -77,6 +79,8 @@ def run_generate(job: GenerateJob, on_text: Callable[[str], None] | None = None,
     if job.save_cache and not launched():
         check_target(job.save_cache)  # before the model loads (under a launcher: every rank, below)
     lm, dist = load_for_run(job.model, job.dtype, repr(job))
+    if job.adapter_path:
+        apply_adapter(lm.model, job.adapter_path)
     layout = run_sharding(lm, dist.size, dist.rank)
     cached = None
     if job.save_cache or job.load_cache:  # checked before any work

@@ -8,6 +8,7 @@ from typing import Callable
 
 import mlx.core as mx
 
+from .adapters import apply_adapter
 from .backend import backend_name, versions
 from .engine import Engine, GenerateConfig, Request
 from .engine.memory import batch_need, default_kv_budget, model_bytes
@@ -32,6 +33,8 @@ def run_batch(job: GenerateJob, specs: list[PromptSpec], opts: BatchOptions,
         raise MlxkvError(f"--max-tokens must be >= 0, got {job.max_tokens}")
     policy = resolve_policy(job.kv)
     lm, dist = load_for_run(job.model, job.dtype, repr((job, specs, opts)))
+    if job.adapter_path:
+        apply_adapter(lm.model, job.adapter_path)
     result = run_engine(lm, dist, job, specs, opts, policy, on_finish)
     for n in result.notices if on_notice else ():
         on_notice(n)

@@ -11,6 +11,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from kvcore.adapters import apply_adapter, check_adapter_folder
 from kvcore.chat_session import ChatSession
 from kvcore.engine import SamplingConfig
 from kvcore.errors import MlxkvError
@@ -20,7 +21,7 @@ from kvcore.units import format_bytes
 
 from . import output
 from .hub import fetch_model
-from .options import (DtypeOpt, KeepOpt, KvBitsOpt, KvConfigOpt, KvGroupOpt, KvOpt, KvStartOpt, MaxKvOpt, ModelOpt,
+from .options import (AdapterOpt, DtypeOpt, KeepOpt, KvBitsOpt, KvConfigOpt, KvGroupOpt, KvOpt, KvStartOpt, MaxKvOpt, ModelOpt,
                       OfflineOpt, ProfileOpt)
 
 HELP = "/save FILE, /load FILE, /reset, /stats, /quit; Ctrl-C stops an answer, end of input (Ctrl-D) quits"
@@ -47,6 +48,7 @@ def chat(
     profile: ProfileOpt = None,
     prefill_chunk: Annotated[int, typer.Option(help="Prompt tokens per forward pass.")] = 512,
     load_cache: Annotated[Optional[str], typer.Option(help="Start from a saved cache (as /load FILE).")] = None,
+    adapter_path: AdapterOpt = None,
     offline: OfflineOpt = False,
 ):
     """Chat in the terminal; the KV cache persists across turns (only each new turn is prefilled)."""
@@ -56,7 +58,11 @@ def chat(
     policy = resolve_policy(KVOptions(kv_bits, kv_group_size, quantized_kv_start, str(kv_config) if kv_config else None,
                                       max_kv_size, kv_keep, profile, kv))
     fetch_model(model, offline)
+    if adapter_path:
+        check_adapter_folder(adapter_path)
     lm = load_model(model, dtype_name(dtype))
+    if adapter_path:
+        apply_adapter(lm.model, adapter_path)
     session = ChatSession(lm, policy, sampling, system_prompt, max_tokens, prefill_chunk, on_notice=output.notice)
     if load_cache:
         session.load(load_cache)

@@ -9,6 +9,7 @@ import typer
 
 from kvcore.engine import SamplingConfig
 from kvcore.engine.constrain import ConstraintSpec
+from kvcore.adapters import check_adapter_folder
 from kvcore.codecs import BITS
 from kvcore.errors import MlxkvError
 from kvcore.models import context_notice, dtype_name, read_config
@@ -20,7 +21,7 @@ from kvcore.units import parse_bytes
 
 from . import output
 from .hub import fetch_model
-from .options import (DtypeOpt, JsonOpt, KeepOpt, KvBitsOpt, KvConfigOpt, KvGroupOpt, KvOpt, KvStartOpt, MaxKvOpt,
+from .options import (AdapterOpt, DtypeOpt, JsonOpt, KeepOpt, KvBitsOpt, KvConfigOpt, KvGroupOpt, KvOpt, KvStartOpt, MaxKvOpt,
                       ModelOpt, OfflineOpt, ProfileOpt, VerboseOpt)
 from .prompts import read_prompts
 from .speculative import DraftKvBitsOpt, DraftModelOpt, DraftOpt, NumDraftOpt, speculative
@@ -50,6 +51,7 @@ def generate(
     json_schema: Annotated[Optional[str], typer.Option(help="Constrain the output to a JSON schema (a file or inline JSON).")] = None,
     regex: Annotated[Optional[str], typer.Option(help="Constrain the output to match this regex.")] = None,
     grammar: Annotated[Optional[Path], typer.Option(help="Constrain the output to a Lark grammar (file).")] = None,
+    adapter_path: AdapterOpt = None,
     kv: KvOpt = None,
     kv_bits: KvBitsOpt = None,
     kv_group_size: KvGroupOpt = None,
@@ -88,6 +90,7 @@ def generate(
         prefill_chunk=prefill_chunk,
         save_cache=str(save_cache) if save_cache else None, load_cache=str(load_cache) if load_cache else None,
         continue_mode="full" if prompt_file is not None else "append", chat_continue=chat_continue,
+        adapter_path=str(check_adapter_folder(adapter_path)) if adapter_path else None,
     )
     specs = read_prompts(prompt_arg, prompt, prompt_file, prompts_file,
                          continuation=load_cache is not None and prompt_file is None)

@@ -20,3 +20,4 @@ KeepOpt = Annotated[Optional[int], typer.Option("--kv-keep", help="With --max-kv
 ProfileOpt = Annotated[Optional[str], typer.Option(help="KV preset: a name in profiles/ (full, q8, q4, q4-delayed) or a .toml path. Flags override it.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="JSON Lines on stdout: one object per completion, then a summary.")]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Show the per-layer KV plan.")]
+AdapterOpt = Annotated[Optional[Path], typer.Option(help="An mlx-lm LoRA/DoRA adapter folder (adapter_config.json, adapters.safetensors) loaded into the model.")]
