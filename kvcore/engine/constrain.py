@@ -81,7 +81,7 @@ class ConstraintSpec:
         return m.grammar_from_lark(self.source)
 
 
-_TOKENIZERS: dict[int, object] = {}
+_TOKENIZERS: dict[int, tuple] = {}
 
 
 def ll_tokenizer(tokenizer):
@@ -91,11 +91,12 @@ def ll_tokenizer(tokenizer):
         hf = getattr(tokenizer, "_tokenizer", tokenizer)
         eos = sorted(getattr(tokenizer, "eos_token_ids", None) or []) or None
         try:
-            _TOKENIZERS[key] = _llguidance().hf.from_tokenizer(hf, eos_token=eos)
+            view = _llguidance().hf.from_tokenizer(hf, eos_token=eos)
         except Exception as e:  # not a fast (Rust) HF tokenizer
             raise MlxkvError(f"constrained decoding cannot use this tokenizer ({type(e).__name__}: "
                              f"{str(e).splitlines()[0] if str(e) else ''})") from None
-    return _TOKENIZERS[key]
+        _TOKENIZERS[key] = (tokenizer, view)  # the tokenizer kept alive: its id is never reused
+    return _TOKENIZERS[key][1]
 
 
 def check(spec: ConstraintSpec, tokenizer) -> str:
