@@ -80,6 +80,7 @@ def calibrate(
     samples: Annotated[int, typer.Option(help="Gradient samples per window (the sensitivity proxy).")] = 4,
     queries: Annotated[int, typer.Option(help="Query positions per window the proxy scores.")] = 256,
     checks: Annotated[int, typer.Option(help="Calibrated configs measured end to end (plus the best uniform scheme).")] = 3,
+    sensitivities: Annotated[Optional[Path], typer.Option("--sensitivities", help="Reuse the sensitivities of an earlier --report (same model, texts and proxy settings): solve for another budget without measuring them again.")] = None,
     dtype: DtypeOpt = None,
     dtype_bytes: Annotated[int, typer.Option(help="Bytes per full-precision element and per scale in the budget (2 = bf16/fp16).")] = 2,
     json_out: Annotated[bool, typer.Option("--json", help="The JSON report on stdout instead of the tables.")] = False,
@@ -93,7 +94,8 @@ def calibrate(
         raise MlxkvError("give one budget: --bits or --memory, not both")
     budget = Budget(bits, mem, context, batch, dtype_bytes)
     job = CalibrateJob(tuple(str(t) for t in text), budget, kv, optiq_compatible, model, dtype, window_tokens,
-                       windows, tuple(str(h) for h in holdout or ()), samples=samples, queries=queries, checks=checks)
+                       windows, tuple(str(h) for h in holdout or ()), samples=samples, queries=queries, checks=checks,
+                       sensitivities=None if sensitivities is None else str(sensitivities))
     with _progress(Console(stderr=True, highlight=False)) as progress:
         result = run_calibrate(job, progress)
     data = config_text(result.entries).encode()

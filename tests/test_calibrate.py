@@ -12,6 +12,7 @@ from mlx_lm import load
 from typer.testing import CliRunner
 
 from kvcore.calibrate import Budget, CalibrateJob, config_policy, run_calibrate
+from kvcore.errors import MlxkvError
 from kvcore.fidelity import teacher_forced_logprobs
 from kvcore.fidelity_bytes import kv_bytes
 from kvcore.policy import build_caches
@@ -182,3 +183,17 @@ def test_empty_text_is_a_one_line_error(llama, tmp_path):
     empty.write_text("  \n")
     r = cli("-m", llama, "-t", empty, "-o", tmp_path / "out.json", "--bits", "4")
     assert r.exit_code == 1 and f"text file is empty: {empty}" in r.output and len(r.output.strip().splitlines()) == 1
+
+
+def test_sensitivities_are_reused_for_another_budget(llama, text, at_4_bits, tmp_path):
+    rep = tmp_path / "report.json"
+    rep.write_text(json.dumps(at_4_bits.report))
+    again = calibrate(llama, text, Budget(bits=3.0, context=200), candidates="full,affine:2..8,turbo:2..6,/r8",
+                      sensitivities=str(rep))
+    assert again.report["sensitivities_from"] == str(rep)
+    assert [x["sensitivity"] for x in again.report["layers"]] == [x["sensitivity"] for x in at_4_bits.report["layers"]]
+    assert again.report["bytes_per_row"] <= again.report["budget"]["kv_bytes_per_row"] < at_4_bits.report["bytes_per_row"]
+    with pytest.raises(MlxkvError, match="measured with another window_tokens"):
+        calibrate(llama, text, Budget(bits=3.0), window_tokens=96, sensitivities=str(rep))
+    with pytest.raises(MlxkvError, match="has no affine:2/g32"):
+        calibrate(llama, text, Budget(bits=8.0, context=200), candidates="affine:2/g32", sensitivities=str(rep))

@@ -34,6 +34,7 @@ from .capture import capture_window
 from .check import Measured, Window, measure, reference
 from .config_file import config_entries, config_policy
 from .proxy import sample_positions
+from .reuse import fingerprint, load_sensitivities
 from .scores import LayerScores, average, score_window
 from .solve import Item, solve
 from .speed import decode_tok_s
@@ -59,6 +60,7 @@ class CalibrateJob:
     checks: int = 3  # calibrated configs measured end to end (the uniform comparator comes on top)
     chunk: int = 64  # tokens per teacher-forced pass in the checks
     seed: int = 0
+    sensitivities: str | None = None  # a previous report whose sensitivities to reuse (reuse.py)
 
     def __post_init__(self):
         if not self.texts:
@@ -188,9 +190,15 @@ def run_calibrate(job: CalibrateJob, on_progress: Progress | None = None) -> Cal
     budget = budget_bytes(job.budget, shapes, layers, weights, tokens)  # a budget below the weights fails here
     _check_feasible(cands, shapes, layers, tokens, budget, job.budget.dtype_bytes)
     specs = cands.specs()
-    n_layers = len(layers)
-    total = (len(cal) * (1 + job.samples + n_layers) + (job.checks + 1) * len(cal)
-             + len(held) * 3 + 4)
+    dtype_name = str(dtype).rsplit(".", 1)[-1]
+    mark = fingerprint(lm.source, job.texts, job.window_tokens, job.windows, job.samples, job.queries, job.seed,
+                       dtype_name)
+    reused = None
+    if job.sensitivities is not None:
+        reused = load_sensitivities(job.sensitivities, mark, specs, cands.recents)
+    samples = 0 if reused else job.samples
+    per_window = 1 + samples + (0 if reused else len(layers))
+    total = len(cal) * per_window + (job.checks + 1) * len(cal) + len(held) * 3 + 4
     step = _Steps(total, on_progress)
 
     tables, kv_sample, phase = [], None, {}
@@ -198,18 +206,19 @@ def run_calibrate(job: CalibrateJob, on_progress: Progress | None = None) -> Cal
     positions = sample_positions(job.window_tokens, job.queries)
     refs = []
     for n, (name, toks) in enumerate(cal):
-        w = capture_window(model, toks, positions, job.samples, job.seed + n)
-        step(f"{name}: captured Q/K/V and {job.samples} gradient samples", 1 + job.samples)
+        w = capture_window(model, toks, positions, samples, job.seed + n)
+        step(f"{name}: captured Q/K/V and {samples} gradient samples", 1 + samples)
         missing = [i for i in layers if i not in w.layers]
         if missing:
             raise MlxkvError(f"calibrate: layer {missing[0]} was not observed attending over its cache")
-        tables.append(score_window(w, specs, cands.recents, lambda i: step(f"{name}: sensitivities, layer {i}")))
+        if not reused:
+            tables.append(score_window(w, specs, cands.recents, lambda i: step(f"{name}: sensitivities, layer {i}")))
         refs.append(Window(name, toks, w.logprobs))
         if kv_sample is None:
             kv_sample = {i: (c.k, c.v) for i, c in w.layers.items()}
         del w
         mx.clear_cache()
-    scores = {i: s for i, s in average(tables).items() if i in layers}
+    scores = {i: s for i, s in (reused or average(tables)).items() if i in layers}
     phase["sensitivities_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     checks = _solutions(cands, scores, shapes, tokens, budget, job.budget.dtype_bytes, job.checks)
@@ -251,7 +260,8 @@ def run_calibrate(job: CalibrateJob, on_progress: Progress | None = None) -> Cal
     bits = {str(tokens): 8 * config_bytes(shapes, policy, tokens, job.budget.dtype_bytes) / elements,
             str(LONG_CONTEXT): 8 * config_bytes(shapes, policy, LONG_CONTEXT, job.budget.dtype_bytes) / long_elements}
     report = {
-        "type": "calibration", "model": lm.source, "dtype": str(dtype).rsplit(".", 1)[-1],
+        "type": "calibration", "model": lm.source, "dtype": dtype_name, "fingerprint": mark,
+        "sensitivities_from": job.sensitivities,
         "texts": list(job.texts), "holdout": list(holdout), "windows": len(cal), "holdout_windows": len(held),
         "window_tokens": job.window_tokens, "candidates": cands.label(), "optiq_compatible": job.optiq_compatible,
         "budget": {"describe": job.budget.describe(tokens), "bits": job.budget.bits, "memory": job.budget.memory,
