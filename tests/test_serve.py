@@ -3,6 +3,7 @@ qwen3 fixture (head_dim 64) with 4-bit KV compressing from token 0, batch 4."""
 
 from __future__ import annotations
 
+import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -183,3 +184,46 @@ def test_body_limit_and_api_key(server):
     status, err = get(server.url, "/v1/nothing-here", KEY)
     assert status == 404 and err["error"]["message"].startswith("Unknown path")
     assert post(server.url, {"model": server.served.name, **BASE}, KEY)[0] == 200
+
+
+def test_top_k_1_is_greedy_and_a_penalty_is_honoured(server, client):
+    greedy = alone(server, PROMPTS[5], 12)[0]
+    r = client.completions.create(model=server.served.name, prompt=PROMPTS[5], max_tokens=12, temperature=1.5,
+                                  seed=3, extra_body={"top_k": 1})
+    assert r.choices[0].text == greedy
+    with pytest.raises(BadRequestError) as e:
+        client.completions.create(model=server.served.name, prompt="Tom", max_tokens=2,
+                                  extra_body={"repetition_penalty": -1})
+    assert e.value.param == "repetition_penalty"
+
+
+def test_logprobs_in_both_shapes(server, client):
+    text, n, _ = alone(server, PROMPTS[4], 8)
+    c = client.chat.completions.create(model=server.served.name, messages=[{"role": "user", "content": PROMPTS[4]}],
+                                       max_tokens=8, temperature=0, logprobs=True, top_logprobs=3)
+    content = c.choices[0].logprobs.content
+    assert c.choices[0].message.content == text and len(content) == n
+    assert "".join(t.token for t in content) == text
+    for t in content:  # greedy: the chosen token is the best of the top 3, which come sorted
+        tops = [x.logprob for x in t.top_logprobs]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True) and t.logprob == pytest.approx(tops[0])
+        assert t.logprob <= 0
+    r = client.completions.create(model=server.served.name, prompt=PROMPTS[4], max_tokens=8, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert "".join(lp.tokens) == text and lp.token_logprobs == pytest.approx([t.logprob for t in content])
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert all(len(d) <= 2 for d in lp.top_logprobs)
+    with pytest.raises(BadRequestError, match="while streaming"):
+        client.completions.create(model=server.served.name, prompt="Tom", max_tokens=2, logprobs=1, stream=True)
+
+
+def test_response_format_json_schema_constrains_the_output(server, client):
+    schema = {"type": "string", "enum": ["yes", "no"]}
+    r = client.chat.completions.create(
+        model=server.served.name, messages=[{"role": "user", "content": PROMPTS[6]}], max_tokens=12, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
+    assert json.loads(r.choices[0].message.content) in ("yes", "no") and r.choices[0].finish_reason == "stop"
+    with pytest.raises(BadRequestError) as e:
+        client.chat.completions.create(model=server.served.name, messages=[{"role": "user", "content": "Tom"}],
+                                       response_format={"type": "json_schema", "json_schema": {"name": "x"}})
+    assert e.value.param == "response_format.json_schema.schema"

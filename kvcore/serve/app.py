@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException
 
 from . import protocol as P
 from .errors import APIError, from_validation
+from .logprobs import chat_logprobs, completion_logprobs
 from .generation import Generation, answer, chat_events, completion_events, usage_of
 from .metrics import render, snapshot
 from .prompting import chat_ids, completion_ids
@@ -150,7 +151,8 @@ def create_app(worker: EngineWorker, served: Served) -> FastAPI:
             gen.close()
         if c is None:
             return Response(status_code=499)
-        return P.chat_response(rid, served.name, c.text, c.finish_reason, usage_of(gen))
+        lp = chat_logprobs(served.tokenizer, c.token_ids, c.logprobs) if c.logprobs is not None else None
+        return P.chat_response(rid, served.name, c.text, c.finish_reason, usage_of(gen), lp)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -166,7 +168,8 @@ def create_app(worker: EngineWorker, served: Served) -> FastAPI:
             gen.close()
         if c is None:
             return Response(status_code=499)
-        return P.completion_response(rid, served.name, c.text, c.finish_reason, usage_of(gen))
+        lp = completion_logprobs(served.tokenizer, c.token_ids, c.logprobs) if c.logprobs is not None else None
+        return P.completion_response(rid, served.name, c.text, c.finish_reason, usage_of(gen), lp)
 
     def model_card() -> dict:
         return {"id": served.name, "object": "model", "created": state.started, "owned_by": "mlxkv"}

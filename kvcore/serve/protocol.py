@@ -106,10 +106,10 @@ def usage(prompt: int, completion: int, cached: int = 0) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def chat_response(rid: str, model: str, text: str, finish: str, use: dict) -> dict:
+def chat_response(rid: str, model: str, text: str, finish: str, use: dict, logprobs: dict | None = None) -> dict:
     return {"id": rid, "object": "chat.completion", "created": now(), "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": None, "finish_reason": FINISH.get(finish, finish)}],
+                         "logprobs": logprobs, "finish_reason": FINISH.get(finish, finish)}],
             "usage": use}
 
 
@@ -124,9 +124,10 @@ def chat_chunk(rid: str, model: str, created: int, delta: dict, finish: str | No
     return out
 
 
-def completion_response(rid: str, model: str, text: str, finish: str, use: dict) -> dict:
+def completion_response(rid: str, model: str, text: str, finish: str, use: dict,
+                        logprobs: dict | None = None) -> dict:
     return {"id": rid, "object": "text_completion", "created": now(), "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": FINISH.get(finish, finish)}],
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": FINISH.get(finish, finish)}],
             "usage": use}
 
 

@@ -3,6 +3,7 @@ Fields OpenAI defines that this build cannot honour yet are refused by name, nev
 
 from __future__ import annotations
 
+import json
 from dataclasses import fields
 
 from ..engine import Request, SamplingConfig
@@ -36,10 +37,16 @@ def unsupported(body) -> None:
 
     if body.n not in (None, 1):
         refuse("n", "more than one choice")
+    wants_logprobs = (body.logprobs or body.top_logprobs) if isinstance(body, ChatRequest) else body.logprobs
+    if wants_logprobs and "logprobs" not in _ENGINE_FIELDS:
+        refuse("logprobs", "logprobs")
+    if wants_logprobs and body.stream:
+        refuse("logprobs", "logprobs while streaming")
     if isinstance(body, ChatRequest):
-        if body.logprobs or body.top_logprobs:
-            refuse("logprobs" if body.logprobs else "top_logprobs", "logprobs")
-        if body.response_format is not None and body.response_format.get("type") != "text":
+        if body.top_logprobs and not body.logprobs:
+            raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        if body.response_format is not None and body.response_format.get("type") not in ("text", None) \
+                and "constraint" not in _ENGINE_FIELDS:
             refuse("response_format", "a response format other than text")
         if body.tools:
             refuse("tools", "tool calling")
@@ -48,8 +55,6 @@ def unsupported(body) -> None:
     else:
         if body.echo:
             refuse("echo", "echoing the prompt")
-        if body.logprobs:
-            refuse("logprobs", "logprobs")
         if body.suffix:
             refuse("suffix", "a suffix (insertion)")
         if body.best_of not in (None, 1):
@@ -68,10 +73,42 @@ def sampling(body) -> SamplingConfig:
         value = getattr(body, name)
         if value is not None and field in _ENGINE_FIELDS:
             kw[field] = {int(k): v for k, v in value.items()} if name == "logit_bias" else value
+    if isinstance(body, ChatRequest):
+        if body.logprobs:
+            kw["logprobs"] = body.top_logprobs or 0
+        constraint = response_constraint(body.response_format)
+        if constraint is not None:
+            kw["constraint"] = constraint
+    elif body.logprobs is not None:
+        kw["logprobs"] = body.logprobs
     try:
         return SamplingConfig(**kw)
     except (MlxkvError, ValueError, TypeError) as e:
         raise bad_request(str(e).replace("--temp", "temperature").replace("--", ""), code="invalid_value") from None
+
+
+def response_constraint(fmt: dict | None):
+    """response_format -> the engine's ConstraintSpec (json_schema: that schema; json_object: an object)."""
+    kind = (fmt or {}).get("type", "text")
+    if kind == "text":
+        return None
+    from ..engine.constrain import ConstraintSpec
+
+    if kind == "json_object":
+        return ConstraintSpec("json_schema", '{"type": "object"}')
+    if kind != "json_schema":
+        raise bad_request(f"'response_format.type' must be text, json_object or json_schema, got {kind!r}",
+                          "response_format.type")
+    spec = fmt.get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if not isinstance(schema, (dict, bool)):
+        raise bad_request("'response_format.json_schema.schema' must be a JSON schema (an object)",
+                          "response_format.json_schema.schema")
+    try:
+        return ConstraintSpec("json_schema", json.dumps(schema))
+    except MlxkvError as e:
+        raise bad_request(str(e).replace("--json-schema", "response_format.json_schema.schema"),
+                          "response_format.json_schema.schema") from None
 
 
 def max_tokens(body, prompt_len: int, served: Served, default: int) -> int:

@@ -21,6 +21,7 @@ from typing import Callable
 
 from ..engine import Completion, Request
 from ..errors import MlxkvError
+from ..units import format_bytes
 from .errors import APIError
 from .metrics import EngineMetrics
 from .served import Served
@@ -145,10 +146,17 @@ class EngineWorker:
                 b.cancel()
 
     def _add(self, request: Request, push: Push) -> None:
+        sch = self.engine.scheduler
+        need = sch.batch_need([len(request.prompt_ids) + request.max_tokens])
+        if sch.kv_budget is not None and need > sch.kv_budget:
+            push(APIError(400, f"prompt + max_tokens ({len(request.prompt_ids) + request.max_tokens} tokens) can "
+                               f"never fit the KV budget: they need {format_bytes(need)} of KV, the budget "
+                               f"(--max-kv-bytes) is {format_bytes(sch.kv_budget)}", code="context_length_exceeded"))
+            return
         try:
             self.engine.add_request(request)
-        except MlxkvError as e:  # a row that can never fit the KV budget
-            push(APIError(400, f"prompt too long for the KV budget: {e}", code="context_length_exceeded"))
+        except MlxkvError as e:  # e.g. a constraint its compiler refuses
+            push(APIError(400, str(e).splitlines()[0] if str(e) else type(e).__name__, code="invalid_request"))
             return
         self._sinks[request.id] = push
         self.metrics.added(len(request.prompt_ids))
