@@ -146,7 +146,7 @@ BASE = {"messages": [{"role": "user", "content": "Tom"}], "max_tokens": 2}
     ({"temperature": 3}, 400, "temperature"),
     ({"stream": "yes"}, 400, "stream"),
     ({"frobnicate": 1}, 400, "frobnicate"),
-    ({"n": 2}, 400, "n"),
+    ({"n": 0}, 400, "n"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ({"max_tokens": 600}, 400, "messages"),  # past the model's 512-token context
     ({"model": "gpt-4o"}, 404, "model"),
@@ -227,3 +227,25 @@ def test_response_format_json_schema_constrains_the_output(server, client):
         client.chat.completions.create(model=server.served.name, messages=[{"role": "user", "content": "Tom"}],
                                        response_format={"type": "json_schema", "json_schema": {"name": "x"}})
     assert e.value.param == "response_format.json_schema.schema"
+
+
+def test_n_choices_are_rows_of_their_own(server, client):
+    greedy, n_tokens, _ = alone(server, PROMPTS[1], 9)
+    r = client.completions.create(model=server.served.name, prompt=PROMPTS[1], max_tokens=9, temperature=0, n=3)
+    assert [c.text for c in r.choices] == [greedy] * 3 and [c.index for c in r.choices] == [0, 1, 2]
+    assert r.usage.completion_tokens == 3 * n_tokens and r.usage.prompt_tokens == len(
+        server.served.tokenizer.encode(PROMPTS[1]))
+
+    def one(seed):
+        return client.completions.create(model=server.served.name, prompt=PROMPTS[2], max_tokens=10,
+                                         temperature=1.5, seed=seed).choices[0].text
+
+    two = client.completions.create(model=server.served.name, prompt=PROMPTS[2], max_tokens=10, temperature=1.5,
+                                    seed=5, n=2)
+    assert [c.text for c in two.choices] == [one(5), one(6)]  # choice i draws from seed + i
+    chunks = list(client.chat.completions.create(
+        model=server.served.name, messages=[{"role": "user", "content": PROMPTS[2]}], max_tokens=10,
+        temperature=1.5, seed=5, n=2, stream=True))
+    texts = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+             for i in range(2)]
+    assert texts == [one(5), one(6)]

@@ -21,10 +21,10 @@ from starlette.exceptions import HTTPException
 from . import protocol as P
 from .errors import APIError, from_validation
 from .logprobs import chat_logprobs, completion_logprobs
-from .generation import Generation, answer, chat_events, completion_events, usage_of
+from .generation import Generation, answer, chat_events, completion_events
 from .metrics import render, snapshot
 from .prompting import chat_ids, completion_ids
-from .requests import check_model, engine_request
+from .requests import check_model, engine_requests
 from .served import Served
 from .worker import EngineWorker
 
@@ -43,18 +43,18 @@ class ServeState:
         self.refused: Counter = Counter()
         self.started = int(time.time())
 
-    def enter(self) -> None:
+    def enter(self, rows: int) -> None:
         if self.draining:
             self.refused[503] += 1
             raise APIError(503, "the server is shutting down", code="shutting_down")
-        if self.in_flight >= self.max_pending:
+        if self.in_flight + rows > self.max_pending:
             self.refused[429] += 1
             raise APIError(429, f"the server is at capacity ({self.max_pending} requests in flight); retry later",
                            code="queue_full", type="rate_limit_exceeded")
-        self.in_flight += 1
+        self.in_flight += rows
 
-    def leave(self) -> None:
-        self.in_flight -= 1
+    def leave(self, rows: int) -> None:
+        self.in_flight -= rows
 
 
 class APIKeyMiddleware:
@@ -125,11 +125,11 @@ def create_app(worker: EngineWorker, served: Served) -> FastAPI:
         return body
 
     async def start(body, ids: list[int], rid: str) -> Generation:
-        req = engine_request(body, rid, ids, served)
+        rows = engine_requests(body, rid, ids, served)
         if not worker.alive:
             raise APIError(503, "the engine has stopped", code="engine_stopped")
-        state.enter()
-        gen = Generation(worker, req, state.leave)
+        state.enter(len(rows))
+        gen = Generation(worker, rows, lambda: state.leave(len(rows)))
         try:
             await gen.accepted()
         except BaseException:
@@ -146,13 +146,14 @@ def create_app(worker: EngineWorker, served: Served) -> FastAPI:
         if body.stream:
             return EventSourceResponse(chat_events(gen, rid, served.name, include), ping=15)
         try:
-            c = await answer(gen, request.receive)
+            cs = await answer(gen, request.receive)
         finally:
             gen.close()
-        if c is None:
+        if cs is None:
             return Response(status_code=499)
-        lp = chat_logprobs(served.tokenizer, c.token_ids, c.logprobs) if c.logprobs is not None else None
-        return P.chat_response(rid, served.name, c.text, c.finish_reason, usage_of(gen), lp)
+        choices = [P.chat_choice(i, c.text, c.finish_reason, None if c.logprobs is None else
+                                 chat_logprobs(served.tokenizer, c.token_ids, c.logprobs)) for i, c in enumerate(cs)]
+        return P.chat_response(rid, served.name, choices, gen.usage())
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -163,13 +164,15 @@ def create_app(worker: EngineWorker, served: Served) -> FastAPI:
         if body.stream:
             return EventSourceResponse(completion_events(gen, rid, served.name, include), ping=15)
         try:
-            c = await answer(gen, request.receive)
+            cs = await answer(gen, request.receive)
         finally:
             gen.close()
-        if c is None:
+        if cs is None:
             return Response(status_code=499)
-        lp = completion_logprobs(served.tokenizer, c.token_ids, c.logprobs) if c.logprobs is not None else None
-        return P.completion_response(rid, served.name, c.text, c.finish_reason, usage_of(gen), lp)
+        choices = [P.completion_choice(i, c.text, c.finish_reason, None if c.logprobs is None else
+                                       completion_logprobs(served.tokenizer, c.token_ids, c.logprobs))
+                   for i, c in enumerate(cs)]
+        return P.completion_response(rid, served.name, choices, gen.usage())
 
     def model_card() -> dict:
         return {"id": served.name, "object": "model", "created": state.started, "owned_by": "mlxkv"}

@@ -1,6 +1,7 @@
-"""One request in flight, seen from the event loop: submitted to the engine thread, its items
-(TokenEvents, then the Completion) read from an asyncio queue; answered whole or as SSE chunks.
-Leaving early (a client that disconnects, a cancelled task) aborts the row."""
+"""One request in flight, seen from the event loop: its rows (one per choice, `n`) submitted to
+the engine thread, their items (TokenEvents, then a Finished) read from one asyncio queue; the
+request is answered whole or as SSE chunks. Leaving early (a client that disconnects, a
+cancelled task) aborts every row still going."""
 
 from __future__ import annotations
 
@@ -15,58 +16,73 @@ from .worker import ACCEPTED, EngineWorker, Finished
 
 
 class Generation:
-    def __init__(self, worker: EngineWorker, request: Request, on_close: Callable[[], None]):
-        self.worker, self.request, self.on_close = worker, request, on_close
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.completion: Completion | None = None
-        self.cached_tokens = 0  # prompt tokens reused from the prefix cache
+    def __init__(self, worker: EngineWorker, requests: list[Request], on_close: Callable[[], None]):
+        self.worker, self.requests, self.on_close = worker, requests, on_close
+        self.queue: asyncio.Queue = asyncio.Queue()  # (choice index, item)
+        self.completions: list[Completion | None] = [None] * len(requests)
+        self.cached = [0] * len(requests)  # prompt tokens each row reused from the prefix cache
+        self.early: list[tuple[int, object]] = []  # items that came before every row was accepted
         self.closed = False
         loop = asyncio.get_running_loop()
+        for i, request in enumerate(requests):
+            worker.submit(request, self._pusher(loop, i))
 
+    def _pusher(self, loop, i: int):
         def push(item):  # on the engine thread
             try:
-                loop.call_soon_threadsafe(self.queue.put_nowait, item)
+                loop.call_soon_threadsafe(self.queue.put_nowait, (i, item))
             except RuntimeError:  # the loop is gone (shutdown)
                 pass
+        return push
 
-        worker.submit(request, push)
+    @property
+    def done(self) -> bool:
+        return all(c is not None for c in self.completions)
 
     async def accepted(self) -> None:
-        item = await self.queue.get()
-        if isinstance(item, APIError):
+        """Every row is in the engine's queue, or the first refusal is raised (the others aborted)."""
+        waiting, error = set(range(len(self.requests))), None
+        while waiting:
+            i, item = await self.queue.get()
+            if item == ACCEPTED or isinstance(item, APIError):
+                waiting.discard(i)
+                error = error or (item if isinstance(item, APIError) else None)
+            else:
+                self.early.append((i, item))
+        if error is not None:
             self.close()
-            raise item
-        if item != ACCEPTED:
-            raise RuntimeError(f"the engine thread answered {item!r} before accepting the request")
+            raise error
 
-    async def items(self) -> AsyncIterator[TokenEvent | Completion]:
-        while self.completion is None:
-            item = await self.queue.get()
+    async def items(self) -> AsyncIterator[tuple[int, TokenEvent | Completion]]:
+        while not self.done:
+            i, item = self.early.pop(0) if self.early else await self.queue.get()
             if isinstance(item, APIError):
                 raise item
             if isinstance(item, Finished):
-                self.completion, self.cached_tokens = item.completion, item.cached_tokens
+                self.completions[i], self.cached[i] = item.completion, item.cached_tokens
                 item = item.completion
-            yield item
+            yield i, item
 
-    async def result(self) -> Completion:
+    async def results(self) -> list[Completion]:
         async for _ in self.items():
             pass
-        return self.completion
+        return self.completions
+
+    def usage(self) -> dict:
+        """The prompt once (as OpenAI counts n choices), every choice's tokens, the best reuse."""
+        cs = [c for c in self.completions if c is not None]
+        prompt = len(self.requests[0].prompt_ids)
+        return P.usage(prompt, sum(len(c.token_ids) for c in cs), min(prompt, max(self.cached, default=0)))
 
     def close(self) -> None:
-        """Always called once the request is answered (or abandoned): a row still going is aborted."""
+        """Always called once the request is answered (or abandoned): rows still going are aborted."""
         if self.closed:
             return
         self.closed = True
-        if self.completion is None:
-            self.worker.abort(self.request.id)
+        for request, c in zip(self.requests, self.completions):
+            if c is None:
+                self.worker.abort(request.id)
         self.on_close()
-
-
-def usage_of(gen: Generation) -> dict:
-    c = gen.completion
-    return P.usage(c.prompt_tokens, len(c.token_ids), gen.cached_tokens)
 
 
 async def until_disconnect(receive) -> None:
@@ -74,9 +90,9 @@ async def until_disconnect(receive) -> None:
         pass
 
 
-async def answer(gen: Generation, receive) -> Completion | None:
-    """The whole completion, or None if the client went away first (the row is aborted)."""
-    work = asyncio.ensure_future(gen.result())
+async def answer(gen: Generation, receive) -> list[Completion] | None:
+    """Every choice's completion, or None if the client went away first (the rows are aborted)."""
+    work = asyncio.ensure_future(gen.results())
     gone = asyncio.ensure_future(until_disconnect(receive))
     try:
         await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -95,14 +111,15 @@ def _data(obj) -> dict:
 async def chat_events(gen: Generation, rid: str, model: str, include_usage: bool) -> AsyncIterator[dict]:
     created = P.now()
     try:
-        yield _data(P.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}))
-        async for item in gen.items():
+        for i in range(len(gen.requests)):
+            yield _data(P.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, index=i))
+        async for i, item in gen.items():
             if isinstance(item, Completion):
-                yield _data(P.chat_chunk(rid, model, created, {}, item.finish_reason))
-                if include_usage:
-                    yield _data(P.chat_chunk(rid, model, created, {}, use=usage_of(gen)))
+                yield _data(P.chat_chunk(rid, model, created, {}, item.finish_reason, index=i))
             elif item.text:
-                yield _data(P.chat_chunk(rid, model, created, {"content": item.text}))
+                yield _data(P.chat_chunk(rid, model, created, {"content": item.text}, index=i))
+        if include_usage:
+            yield _data(P.chat_chunk(rid, model, created, {}, use=gen.usage()))
         yield {"data": "[DONE]"}
     except APIError as e:
         yield _data(e.to_json())
@@ -113,13 +130,13 @@ async def chat_events(gen: Generation, rid: str, model: str, include_usage: bool
 async def completion_events(gen: Generation, rid: str, model: str, include_usage: bool) -> AsyncIterator[dict]:
     created = P.now()
     try:
-        async for item in gen.items():
+        async for i, item in gen.items():
             if isinstance(item, Completion):
-                yield _data(P.completion_chunk(rid, model, created, "", item.finish_reason))
-                if include_usage:
-                    yield _data(P.completion_chunk(rid, model, created, "", use=usage_of(gen)))
+                yield _data(P.completion_chunk(rid, model, created, "", item.finish_reason, index=i))
             elif item.text:
-                yield _data(P.completion_chunk(rid, model, created, item.text))
+                yield _data(P.completion_chunk(rid, model, created, item.text, index=i))
+        if include_usage:
+            yield _data(P.completion_chunk(rid, model, created, "", use=gen.usage()))
         yield {"data": "[DONE]"}
     except APIError as e:
         yield _data(e.to_json())

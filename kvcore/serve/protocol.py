@@ -106,16 +106,19 @@ def usage(prompt: int, completion: int, cached: int = 0) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def chat_response(rid: str, model: str, text: str, finish: str, use: dict, logprobs: dict | None = None) -> dict:
-    return {"id": rid, "object": "chat.completion", "created": now(), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": logprobs, "finish_reason": FINISH.get(finish, finish)}],
+def chat_choice(index: int, text: str, finish: str, logprobs: dict | None = None) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+            "finish_reason": FINISH.get(finish, finish)}
+
+
+def chat_response(rid: str, model: str, choices: list[dict], use: dict) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": now(), "model": model, "choices": choices,
             "usage": use}
 
 
 def chat_chunk(rid: str, model: str, created: int, delta: dict, finish: str | None = None,
-               use: dict | None = None) -> dict:
-    choices = [] if use is not None else [{"index": 0, "delta": delta, "logprobs": None,
+               use: dict | None = None, index: int = 0) -> dict:
+    choices = [] if use is not None else [{"index": index, "delta": delta, "logprobs": None,
                                            "finish_reason": FINISH.get(finish, finish) if finish else None}]
     out: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                            "choices": choices}
@@ -124,16 +127,18 @@ def chat_chunk(rid: str, model: str, created: int, delta: dict, finish: str | No
     return out
 
 
-def completion_response(rid: str, model: str, text: str, finish: str, use: dict,
-                        logprobs: dict | None = None) -> dict:
-    return {"id": rid, "object": "text_completion", "created": now(), "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": FINISH.get(finish, finish)}],
+def completion_choice(index: int, text: str, finish: str, logprobs: dict | None = None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": FINISH.get(finish, finish)}
+
+
+def completion_response(rid: str, model: str, choices: list[dict], use: dict) -> dict:
+    return {"id": rid, "object": "text_completion", "created": now(), "model": model, "choices": choices,
             "usage": use}
 
 
 def completion_chunk(rid: str, model: str, created: int, text: str, finish: str | None = None,
-                     use: dict | None = None) -> dict:
-    choices = [] if use is not None else [{"index": 0, "text": text, "logprobs": None,
+                     use: dict | None = None, index: int = 0) -> dict:
+    choices = [] if use is not None else [{"index": index, "text": text, "logprobs": None,
                                            "finish_reason": FINISH.get(finish, finish) if finish else None}]
     out: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created, "model": model,
                            "choices": choices}

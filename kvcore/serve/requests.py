@@ -4,7 +4,7 @@ Fields OpenAI defines that this build cannot honour yet are refused by name, nev
 from __future__ import annotations
 
 import json
-from dataclasses import fields
+from dataclasses import fields, replace
 
 from ..engine import Request, SamplingConfig
 from ..errors import MlxkvError
@@ -35,8 +35,6 @@ def unsupported(body) -> None:
     def refuse(field: str, what: str):
         raise bad_request(f"'{field}': {what} is not supported by this server yet", field, "unsupported_parameter")
 
-    if body.n not in (None, 1):
-        refuse("n", "more than one choice")
     wants_logprobs = (body.logprobs or body.top_logprobs) if isinstance(body, ChatRequest) else body.logprobs
     if wants_logprobs and "logprobs" not in _ENGINE_FIELDS:
         refuse("logprobs", "logprobs")
@@ -131,10 +129,15 @@ def max_tokens(body, prompt_len: int, served: Served, default: int) -> int:
     return asked
 
 
-def engine_request(body, rid: str, ids: list[int], served: Served) -> Request:
+def engine_requests(body, rid: str, ids: list[int], served: Served) -> list[Request]:
+    """One row per choice (`n`); with a seed, choice i draws from seed + i."""
     unsupported(body)
     default = served.config.max_tokens if isinstance(body, ChatRequest) else COMPLETION_DEFAULT_MAX_TOKENS
-    n = max_tokens(body, len(ids), served, default)
+    limit = max_tokens(body, len(ids), served, default)
     cfg = sampling(body)
-    # the engine's own (greedy) settings: None keeps the row on the batch's shared sampler
-    return Request(tuple(ids), n, rid, body.stops(), sampling=None if cfg == SamplingConfig() else cfg)
+    rows = []
+    for i in range(body.n or 1):
+        row = cfg if cfg.seed is None or i == 0 else replace(cfg, seed=(cfg.seed + i) % 2**63)
+        # the engine's own (greedy) settings: None keeps the row on the batch's shared sampler
+        rows.append(Request(tuple(ids), limit, f"{rid}-{i}", body.stops(), sampling=None if row == SamplingConfig() else row))
+    return rows
