@@ -5,7 +5,7 @@ concurrent clients; requests/s, generated tok/s, time to first token and inter-t
 and the same load, in the same run).
 
     python scripts/bench_serve.py [-m MODEL] [--requests 64] [--clients 16] [--prompt-words 24] [--gen 64] \
-        [--serve-args "--kv-bits 4 --quantized-kv-start 0 --batch-size 16"] [--baseline] [--out f.json]
+        [--serve-args "--kv-bits 4 --quantized-kv-start 0 --batch-size 16"] [--baseline] [--repeats 3] [--out f.json]
 """
 
 from __future__ import annotations
@@ -113,9 +113,10 @@ def run_server(cmd: list[str], port: int, model_id: str, prompts, gen: int, clie
             r = c.getresponse()
             text = r.read().decode()
             if r.status == 200:
-                peak = [ln for ln in text.splitlines() if ln.startswith("mlxkv_running_rows_peak ")]
-                if peak:
-                    out["running_rows_peak"] = float(peak[0].split()[1])
+                for name in ("running_rows_peak", "kv_bytes_peak", "kv_budget_bytes"):
+                    line = [ln for ln in text.splitlines() if ln.startswith(f"mlxkv_{name} ")]
+                    if line:
+                        out[name] = float(line[0].split()[1])
         except OSError:
             pass
         return out
@@ -124,6 +125,17 @@ def run_server(cmd: list[str], port: int, model_id: str, prompts, gen: int, clie
         out_rc = proc.wait(60)
         if out_rc not in (0, -15):
             print(f"server exit code {out_rc}:", proc.stderr.read(), file=sys.stderr)
+
+
+def median_row(rs: list[dict]) -> dict:
+    """Median of each figure over the repeats (counts summed)."""
+    out = {"completed": sum(r["completed"] for r in rs), "requests": sum(r["requests"] for r in rs)}
+    for k in ("requests_per_s", "tokens_per_s", "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99",
+              "running_rows_peak", "kv_bytes_peak", "kv_budget_bytes"):
+        xs = [r[k] for r in rs if r.get(k) is not None]
+        if xs:
+            out[k] = statistics.median(xs)
+    return out
 
 
 def main() -> None:
@@ -135,28 +147,34 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=64)
     ap.add_argument("--serve-args", default="--batch-size 16")
     ap.add_argument("--baseline", action="store_true", help="also mlx_lm.server, same model and load")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per server, alternating (medians reported)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     rng = random.Random(0)
     words = ("once upon a time there was little girl boy dog cat who liked to play with big red ball in the park "
              "sun tree house mom dad happy sad friend went saw").split()
     prompts = [" ".join(rng.choice(words) for _ in range(a.prompt_words)) for _ in range(a.requests)]
-    rows = []
-    port = free_port()
-    cmd = [sys.executable, "-m", "mlxkv_cli", "serve", "--port", str(port), *a.serve_args.split()]
-    if a.model:
-        cmd += ["-m", a.model]
-    model_id = a.model or "embedded:stories260K"
-    model_id = Path(model_id).name if Path(model_id).exists() else model_id
-    rows.append({"server": "mlxkv serve " + a.serve_args, **run_server(cmd, port, model_id, prompts, a.gen, a.clients)})
-    if a.baseline:
-        path = a.model or str(DEFAULT_MODEL)
+    runs: dict[str, list[dict]] = {}
+    for _ in range(a.repeats):  # the servers alternate, so a busy machine weighs on both alike
         port = free_port()
-        cmd = [sys.executable, "-m", "mlx_lm.server", "--model", path, "--port", str(port)]
-        rows.append({"server": "mlx_lm.server", **run_server(cmd, port, "default_model", prompts, a.gen, a.clients)})
+        cmd = [sys.executable, "-m", "mlxkv_cli", "serve", "--port", str(port), *a.serve_args.split()]
+        if a.model:
+            cmd += ["-m", a.model]
+        model_id = a.model or "embedded:stories260K"
+        model_id = Path(model_id).name if Path(model_id).exists() else model_id
+        runs.setdefault("mlxkv serve " + a.serve_args, []).append(run_server(cmd, port, model_id, prompts, a.gen,
+                                                                              a.clients))
+        if a.baseline:
+            path = a.model or str(DEFAULT_MODEL)
+            port = free_port()
+            cmd = [sys.executable, "-m", "mlx_lm.server", "--model", path, "--port", str(port)]
+            runs.setdefault("mlx_lm.server", []).append(run_server(cmd, port, "default_model", prompts, a.gen,
+                                                                   a.clients))
+    rows = [{"server": name, **median_row(rs), "runs": rs} for name, rs in runs.items()]
     doc = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
            "cpus": __import__("os").cpu_count(), "versions": versions(),
-           "load": {"requests": a.requests, "clients": a.clients, "prompt_words": a.prompt_words, "gen": a.gen},
+           "load": {"requests": a.requests, "clients": a.clients, "prompt_words": a.prompt_words, "gen": a.gen,
+                    "repeats": a.repeats},
            "rows": rows}
     text = json.dumps(doc, indent=2)
     print(text)

@@ -55,6 +55,7 @@ def snapshot(engine) -> dict:
         caches += list(sch.admitting.caches)
     return {"running": len(sch.running), "prefilling": int(sch.admitting is not None), "waiting": len(sch.waiting),
             "kv_bytes": kv_summary(caches)["kv_bytes"] if caches else 0, "kv_reserved_bytes": sch.reserved,
+            "kv_bytes_peak": (engine.peak_kv or {}).get("kv_bytes", 0),
             "kv_budget_bytes": sch.kv_budget or 0, "batch_size": sch.batch_size,
             "prefix": None if prefix is None else {"entries": len(prefix.entries), "bytes": prefix.nbytes,
                                                    "capacity": prefix.capacity, "hits": prefix.hits,
@@ -78,6 +79,8 @@ def render(m: EngineMetrics, gauges: dict, http: Counter, in_flight: int) -> str
     metric("requests_in_flight", "gauge", "HTTP generation requests accepted and not yet answered.",
            [("", in_flight)])
     metric("kv_bytes", "gauge", "KV bytes the running caches hold.", [("", gauges["kv_bytes"])])
+    metric("kv_bytes_peak", "gauge", "Most KV bytes the running caches held (read as rows leave) since start.",
+           [("", gauges["kv_bytes_peak"])])
     metric("kv_reserved_bytes", "gauge", "KV bytes admission reserved for the admitted rows at their final sizes.",
            [("", gauges["kv_reserved_bytes"])])
     metric("kv_budget_bytes", "gauge", "KV budget for admitting rows (--max-kv-bytes).",
