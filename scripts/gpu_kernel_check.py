@@ -37,8 +37,8 @@ def _write(name: str, obj) -> None:
 def check_matrix(quick: bool):
     from kvcore.attention.cuda_launch import Plan, Side
 
-    A = lambda b, d, g=64: Side("affine", b, g, d)  # noqa: E731
-    T = lambda b, d: Side("turbo", b, d, d)  # noqa: E731
+    A = lambda b, d, g=64: Side("affine", b, g, d)
+    T = lambda b, d: Side("turbo", b, d, d)
     plans = [(Plan(A(b, d), A(b, d), 4, 1), "bfloat16") for b in (2, 3, 4, 5, 6, 8) for d in (64, 128, 256)]
     plans += [(Plan(A(4, 128), A(4, 128), r, 1), "bfloat16") for r in (1, 2, 8)]
     plans += [(Plan(A(8, 64), A(8, 64), 8, 1), "bfloat16"), (Plan(A(8, 64), A(8, 64), 1, 8), "bfloat16")]
@@ -55,14 +55,15 @@ def check_matrix(quick: bool):
     return plans[::4] if quick else plans
 
 
-def run_checks(quick: bool) -> None:
+def run_checks(quick: bool, shard: int, shards: int) -> None:
     import mlx.core as mx
 
     from kvcore.attention import cuda_decode
     from kvcore.attention.cuda_check import check_plan
 
     rows, t_start = [], time.time()
-    for plan, qdt in check_matrix(quick):
+    name = f"kernel_checks_{shard}.json"
+    for plan, qdt in (check_matrix(quick)[shard::shards] if shard < shards else []):
         t = time.time()
         row = {"plan": cuda_decode.describe(plan, qdt), "tile": plan.tile, "smem": plan.smem}
         try:
@@ -74,9 +75,9 @@ def run_checks(quick: bool) -> None:
         row["s"] = round(time.time() - t, 2)
         rows.append(row)
         print(json.dumps(row), flush=True)
-        _write("kernel_checks.json", {"checks": rows, "elapsed_s": time.time() - t_start})
-    e2e = end_to_end()
-    _write("kernel_checks.json", {"checks": rows, "end_to_end": e2e, "elapsed_s": time.time() - t_start})
+        _write(name, {"checks": rows, "elapsed_s": time.time() - t_start})
+    e2e = end_to_end() if shard == shards else []  # one more process: real caches end to end
+    _write(name, {"checks": rows, "end_to_end": e2e, "elapsed_s": time.time() - t_start})
 
 
 def end_to_end() -> list:
@@ -90,17 +91,17 @@ def end_to_end() -> list:
     from kvcore.cache import BatchCompressedKVCache, CompressedKVCache
     from kvcore.codecs import CodecSpec
 
-    on, off = AttentionConfig(cuda_kernel=True), AttentionConfig(cuda_kernel=False)
+    on, off = AttentionConfig(cuda_kernel=True, cuda_min_tokens=0), AttentionConfig(cuda_kernel=False)
     bf = mx.bfloat16
     out = []
 
     def spec(name, bits):
         return CodecSpec(name, bits, 64 if name == "affine" else None)
 
-    cases = [("affine4 recent16", ("affine", 4, 4), dict(recent=16), 2000, 1),
-             ("affine8 window512 keep4", ("affine", 8, 8), dict(window=512, keep=4), 3000, 1),
+    cases = [("affine4 recent16", ("affine", 4, 4), {"recent": 16}, 2000, 1),
+             ("affine8 window512 keep4", ("affine", 8, 8), {"window": 512, "keep": 4}, 3000, 1),
              ("affine k8v4 verify4", ("affine", 8, 4), {}, 1500, 4),
-             ("turbo k4v3 recent8", ("turbo", 4, 3), dict(recent=8), 1800, 1),
+             ("turbo k4v3 recent8", ("turbo", 4, 3), {"recent": 8}, 1800, 1),
              ("full bf16", ("full", None, None), {}, 900, 1)]
     for label, (name, kb, vb), kw, T, N in cases:
         try:
@@ -167,7 +168,7 @@ def _views(scheme: str, lengths: list[int], n_views: int):
                     "full": ("full", None, None)}[scheme]
     sk = CodecSpec(name, kb, 64 if name == "affine" else None)
     sv = CodecSpec(name, vb, 64 if name == "affine" else None)
-    cfg = AttentionConfig(cuda_kernel=True)
+    cfg = AttentionConfig(cuda_kernel=True, cuda_min_tokens=0)
     bf = mx.bfloat16
     views = []
     for _ in range(n_views):
@@ -207,10 +208,11 @@ def run_timings(quick: bool, budget_s: float) -> None:
     from kvcore.attention.config import AttentionConfig
     from kvcore.attention.rotated import in_rotated_basis
 
-    on, off = AttentionConfig(cuda_kernel=True), AttentionConfig(cuda_kernel=False)
+    on, off = AttentionConfig(cuda_kernel=True, cuda_min_tokens=0), AttentionConfig(cuda_kernel=False)
     t_start = time.time()
     res = {"device": mx.device_info() if hasattr(mx, "device_info") else str(mx.default_device()),
            "mlx": mx.__version__, "date": time.strftime("%Y-%m-%d"), "rows": [], "probe": probe()}
+    mx.clear_cache()
     print(json.dumps(res["probe"]), flush=True)
     shapes = [(1, 4096), (1, 32768), (1, 131072), (16, 4096), (16, 32768), (16, "uneven"), (16, 131072)]
     schemes = ["affine:4", "affine:8", "turbo:k4v3", "full"]
@@ -234,8 +236,8 @@ def run_timings(quick: bool, budget_s: float) -> None:
                 calls = 32 if per < 1e9 else 8
                 stats = views[0][0].stats
                 for label, cfg in (("kernel", on), ("portable", off)):
-                    fns = [(lambda v=views[i % n_views][0], c=cfg: in_rotated_basis(attend, q, v, 128**-0.5, None, c))
-                           for i in range(calls)]
+                    fns = [(lambda v=views[i % n_views][0], c=cfg, f=attend, q=q:
+                            in_rotated_basis(f, q, v, 128**-0.5, None, c)) for i in range(calls)]
                     ev, bd = _time(fns)
                     row[label + "_us"], row[label + "_build_us"] = round(ev * 1e6, 1), round(bd * 1e6, 1)
                     row[label + "_paths"] = dict(stats.calls)
@@ -260,7 +262,7 @@ def probe() -> dict:
     """Read bandwidth (a sum over 4 GB) and copy bandwidth (read + write) on this card."""
     import mlx.core as mx
 
-    a = mx.random.uniform(shape=(2**30,), dtype=mx.bfloat16)  # 2 GiB
+    a = mx.random.uniform(shape=(2**30 if mx.default_device() == mx.gpu else 2**24,), dtype=mx.bfloat16)  # 2 GiB
     mx.eval(a)
     out = {}
     for label, fn, nbytes in (("read_TBps", lambda: a.sum(), a.nbytes), ("copy_TBps", lambda: a * 2, 2 * a.nbytes)):
@@ -273,9 +275,21 @@ def probe() -> dict:
             mx.synchronize()
             ts.append(time.perf_counter() - t)
         out[label] = round(nbytes / sorted(ts)[2] / 1e12, 2)
-    del a
-    mx.clear_cache()
     return out
+
+
+def merge_checks(shards: int) -> None:
+    checks, e2e = [], []
+    for i in range(shards + 1):
+        p = OUT / f"kernel_checks_{i}.json"
+        if p.exists():
+            d = json.loads(p.read_text())
+            checks += d["checks"]
+            e2e += d.get("end_to_end", [])
+            p.unlink()
+        else:
+            checks.append({"shard": i, "error": "no result (crashed or timed out)"})
+    _write("kernel_checks.json", {"checks": checks, "end_to_end": e2e})
 
 
 def table() -> None:
@@ -298,7 +312,7 @@ def table() -> None:
                   f"{'floor us':>8} {'TB/s':>5} {'build us':>8}")
             for r in d["rows"]:
                 if "kernel_us" in r:
-                    print(f"{r['scheme']:11} {r['rows']:>4} {str(r['context']):>7} {r['kernel_us']:>9} "
+                    print(f"{r['scheme']:11} {r['rows']:>4} {r['context']!s:>7} {r['kernel_us']:>9} "
                           f"{r['portable_us']:>11} {r['speedup']:>5} {r['floor_us']:>8} {r['kernel_TBps']:>5} "
                           f"{r['kernel_build_us']:>8}")
                 else:
@@ -309,19 +323,31 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--part", choices=["check", "time", "all"], default="all")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--budget", type=float, default=130.0, help="seconds for the timing part")
+    ap.add_argument("--budget", type=float, default=100.0, help="seconds for the timing part")
+    ap.add_argument("--shard", type=int, default=0)
+    ap.add_argument("--shards", type=int, default=6, help="check processes at once (NVRTC compiles on one core each)")
     a = ap.parse_args()
+    quick = ["--quick"] if a.quick else []
     if a.part == "check":
-        return run_checks(a.quick)
+        return run_checks(a.quick, a.shard, a.shards)
     if a.part == "time":
         return run_timings(a.quick, a.budget)
-    for part, limit in (("check", 200), ("time", a.budget + 100)):
-        cmd = [sys.executable, __file__, "--part", part, "--budget", str(a.budget)] + (["--quick"] if a.quick else [])
+    procs = [subprocess.Popen([sys.executable, __file__, "--part", "check", "--shard", str(i), "--shards", str(a.shards)]
+                              + quick) for i in range(a.shards + 1)]
+    t = time.time()
+    for i, p in enumerate(procs):
         try:
-            r = subprocess.run(cmd, timeout=limit)
-            print(f"[{part}] exit {r.returncode}", flush=True)
+            print(f"[check {i}] exit {p.wait(timeout=max(1, 120 - (time.time() - t)))}", flush=True)
         except subprocess.TimeoutExpired:
-            print(f"[{part}] timed out after {limit} s", flush=True)
+            p.kill()
+            print(f"[check {i}] timed out", flush=True)
+    merge_checks(a.shards)
+    try:
+        r = subprocess.run([sys.executable, __file__, "--part", "time", "--budget", str(a.budget)] + quick,
+                           timeout=a.budget + 100, check=False)
+        print(f"[time] exit {r.returncode}", flush=True)
+    except subprocess.TimeoutExpired:
+        print("[time] timed out", flush=True)
     table()
 
 

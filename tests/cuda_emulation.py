@@ -72,7 +72,7 @@ def decoded(side: Side, arrays: tuple, book: mx.array) -> np.ndarray:
 
 def emulate_partials(q: mx.array, launch, plan: Plan, scale: float, heads: int, split=None):
     """(m, l, acc) exactly as the kernel's blocks write them."""
-    B, Hq, N, D = q.shape
+    B, _, N, D = q.shape
     rep, QV, tile = plan.rep, plan.qv, plan.tile
     chunk, nsplit = split or plan.splits(launch.columns, B, heads)
     qf = (np.array(q.astype(mx.float32)) * np.float32(scale)).reshape(B, heads, rep, N, D).reshape(B, heads, QV, D)

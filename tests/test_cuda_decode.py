@@ -4,6 +4,7 @@ path, its launch arithmetic, and the selection falling back off CUDA / for shape
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
@@ -11,11 +12,19 @@ import pytest
 
 from kvcore.attention import blockwise, cuda_decode, cuda_launch, cuda_source
 from kvcore.attention.config import AttentionConfig
-from kvcore.attention.cuda_launch import BIG, MAX_SMEM, TARGET_BLOCKS, Plan, Side, token_bounds
+from kvcore.attention.cuda_launch import (
+    BIG,
+    MAX_SMEM,
+    TARGET_BLOCKS,
+    Plan,
+    Side,
+    token_bounds,
+)
 from kvcore.attention.rotated import rotate_view, shared_rotation
 from kvcore.cache import BatchCompressedKVCache, CompressedKVCache
 from kvcore.codecs import CodecSpec, make_codec
 from kvcore.codecs.bitpack import unpack
+from kvcore.errors import MlxkvError
 from tests.cuda_emulation import codes, decoded, emulate, words
 
 PORTABLE = AttentionConfig(cuda_kernel=False, qmm=False)
@@ -158,6 +167,9 @@ def test_emulated_kernel_equals_portable_path(case, rep):
     rot = shared_rotation(view)
     qr, rv = (q, view) if rot is None else (rot.forward(q), rotate_view(view, rot))
     launches = cuda_decode.view_launches(qr, rv)
+    if name == "full":  # a causal full-precision row: left to MLX's fused SDPA (no array mask)
+        assert launches is None
+        launches = cuda_decode.view_launches(qr, replace(rv, window=10**9))  # a window: the dense variant
     assert launches is not None and len(launches) == len([s for s in view.segments if s.length])
     got = mx.array(emulate(qr, launches, 2, 0.125, sinks))
     if rot is not None:
@@ -190,7 +202,7 @@ def test_emulated_kernel_over_packed_rows_of_uneven_lengths(spec):
 
 def test_selection_falls_back_off_cuda_and_for_uncovered_layouts():
     mx.random.seed(6)
-    cache = CompressedKVCache(_spec("affine", 4), start=0, attention=AttentionConfig(cuda_kernel=True))
+    cache = CompressedKVCache(_spec("affine", 4), start=0, attention=AttentionConfig(cuda_kernel=True, cuda_min_tokens=0))
     view = _views(cache, (100, 1))
     q = mx.random.normal((1, 4, 1, 64))
     assert cuda_decode.view_attention(q, view, 0.125) is None  # this machine is not CUDA
@@ -219,7 +231,18 @@ def test_check_inputs_reference_is_the_portable_attention():
 
     for plan in (Plan(Side("affine", 5, 64, 64), Side("affine", 3, 64, 64), 2, 3),
                  Plan(Side("turbo", 4, 64, 64), Side("turbo", 2, 64, 64), 4, 1)):
-        q, launch, ref, sinks, scale, split = check_inputs(plan, mx.float32)
+        q, launch, ref, sinks, scale, _ = check_inputs(plan, mx.float32)
         assert int(np.array(launch.rows)[1, 0]) == 3 and int(np.array(launch.rows)[0, 0]) == -BIG
         got = emulate(q, [launch], 2, scale, sinks)
         assert np.allclose(got, np.array(ref), atol=2e-5, rtol=1e-4)
+
+
+def test_kernel_default_follows_the_backend_and_the_environment(monkeypatch):
+    monkeypatch.delenv("MLXKV_CUDA_DECODE", raising=False)
+    assert AttentionConfig().cuda_kernel is False  # on where the backend is CUDA; this machine is not
+    for value, want in (("1", True), ("0", False)):
+        monkeypatch.setenv("MLXKV_CUDA_DECODE", value)
+        assert AttentionConfig().cuda_kernel is want
+    assert AttentionConfig().cuda_min_tokens == 65536
+    with pytest.raises(MlxkvError, match="cuda_min_tokens"):
+        AttentionConfig(cuda_min_tokens=-1)

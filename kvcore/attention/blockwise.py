@@ -52,11 +52,11 @@ def kv_attention(q: mx.array, view: KVView, scale: float, sinks: mx.array | None
     kv, sc = _sizes(q, view)
     segs = view.segments
     one_encoded = cfg.accelerated and len(segs) == 1 and segs[0].kind == ENCODED and view.window is None
-    if (one_encoded and sinks is None and cfg.cuda_kernel
-            and cuda_decode.applies(q, segs[0].key_codec, segs[0].value_codec) and cuda_decode.ready()):
+    kernel = cfg.accelerated and cfg.cuda_kernel and q.shape[0] * view.shape[2] >= cfg.cuda_min_tokens
+    out = cuda_decode.view_attention(q, view, scale, sinks) if kernel else None
+    if out is not None:
         _count(stats, "cuda-kernel")
-        return cuda_decode.decode_attention(q, segs[0].keys, segs[0].values, segs[0].key_codec,
-                                            mx.array([segs[0].length] * q.shape[0]), scale)
+        return out
     if one_encoded and cfg.qmm and qmm.applies(q, segs[0].key_codec, segs[0].value_codec, False):
         _count(stats, "qmm")
         mask = None if view.n_queries == 1 else segs[0].visible(view.q_positions, 0, segs[0].length, None, 0)
@@ -128,11 +128,11 @@ def packed_attention(q: mx.array, view, scale: float, sinks: mx.array | None = N
     B = q.shape[0]
     kv, _ = _sizes(q[:1], view)
     L = view.length
-    if (cfg.accelerated and sinks is None and cfg.cuda_kernel
-            and cuda_decode.applies(q, view.key_codec, view.value_codec) and cuda_decode.ready()):
+    kernel = cfg.accelerated and cfg.cuda_kernel and B * L >= cfg.cuda_min_tokens
+    out = cuda_decode.packed_attention(q, view, scale, sinks) if kernel else None
+    if out is not None:
         _count(stats, "cuda-kernel")
-        return cuda_decode.decode_attention(q, view.key_parts, view.value_parts, view.key_codec,
-                                            view.q_start + view.n_queries, scale)
+        return out
     if cfg.accelerated and cfg.qmm and qmm.applies(q, view.key_codec, view.value_codec, False):
         _count(stats, "qmm")
         parts = (tuple(p[:, :, :L] for p in view.key_parts), tuple(p[:, :, :L] for p in view.value_parts))

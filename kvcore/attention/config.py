@@ -15,7 +15,13 @@ from ..errors import MlxkvError
 
 
 def _env_kernel() -> bool:
-    return os.environ.get("MLXKV_CUDA_DECODE", "") == "1"
+    """MLXKV_CUDA_DECODE=0 / 1 turns the CUDA decode kernel off / on; unset: on where the backend is CUDA."""
+    v = os.environ.get("MLXKV_CUDA_DECODE", "")
+    if v in ("0", "1"):
+        return v == "1"
+    from ..backend import backend_name
+
+    return backend_name() == "cuda"
 
 
 @dataclass(frozen=True)
@@ -26,12 +32,15 @@ class AttentionConfig:
     block: int | None = None  # tokens per block; set: always blockwise (tests), None: from block_bytes
     qmm: bool = True  # CPU/Metal: decode attention from packed words with mx.quantized_matmul
     cuda_kernel: bool = field(default_factory=_env_kernel)  # CUDA: the fused decode kernel
+    cuda_min_tokens: int = 65536  # ... for calls reading rows x stored tokens >= this (H200 crossover); 0: all
     rotated: bool = True  # rotation codecs: attend in the rotated basis
 
     def __post_init__(self):
         for name in ("fused_bytes", "block_bytes"):
             if getattr(self, name) < 1:
                 raise MlxkvError(f"attention {name} must be >= 1, got {getattr(self, name)}")
+        if self.cuda_min_tokens < 0:
+            raise MlxkvError(f"attention cuda_min_tokens must be >= 0, got {self.cuda_min_tokens}")
         if self.scratch_bytes is not None and self.scratch_bytes < 0:
             raise MlxkvError(f"attention scratch_bytes must be >= 0, got {self.scratch_bytes}")
         if self.block is not None and self.block < 1:

@@ -9,6 +9,8 @@ reference is float32 attention over the decoded values, computed on the CPU.
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
 
 from ..codecs import CodecSpec
@@ -82,4 +84,4 @@ def relative_error(out: mx.array, ref: mx.array) -> float:
     with mx.stream(mx.cpu):
         o, r = out.astype(mx.float32), ref.astype(mx.float32)
         err = (mx.sqrt(((o - r) ** 2).sum()) / mx.maximum(mx.sqrt((r * r).sum()), 1e-30)).item()
-    return err if err == err else float("inf")  # NaN never passes
+    return err if math.isfinite(err) else float("inf")  # NaN never passes

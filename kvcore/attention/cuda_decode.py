@@ -19,24 +19,33 @@ kept per plan); anything else returns None and the portable path serves.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 import mlx.core as mx
 
 from ..backend import backend_name
-from ..cache.view import ENCODED
+from ..cache.view import DENSE, ENCODED
 from ..codecs import CodecSpec
 from ..codecs.affine import AffineCodec
 from ..codecs.turbo import TurboCodec
 from . import cuda_source as src
-from .cuda_launch import BIG, DENSE_TYPES, MAX_QUERIES, THREADS, Plan, Side, token_bounds
+from .cuda_launch import (
+    BIG,
+    DENSE_TYPES,
+    MAX_QUERIES,
+    THREADS,
+    Plan,
+    Side,
+    token_bounds,
+)
 
 _KERNELS: dict = {}
 _VERDICTS: dict = {}  # (plan, q dtype name) -> None (admitted) or the reason it is not
 _CONST: dict = {}
-Q_TYPES = ("bfloat16", "float16", "float32")
+Q_TYPES = (mx.bfloat16, mx.float16, mx.float32)
 
 
+@cache
 def _dtype_name(dtype) -> str:
     return str(dtype).rsplit(".", 1)[-1]
 
@@ -62,7 +71,23 @@ def _const(key, make):
 
 
 def _dummy(dtype=mx.float16) -> mx.array:
-    return _const(("dummy", _dtype_name(dtype)), lambda: mx.zeros((1,), dtype=dtype))
+    return _const(("dummy", dtype), lambda: mx.zeros((1,), dtype=dtype))
+
+
+_ROWS: dict = {}
+
+
+def _rows(bounds: tuple, B: int) -> mx.array:
+    """(B, 3) int32 token bounds, shared by every layer of a step (a view's bounds repeat across layers):
+    built on the device from three scalars, so no host-written page is migrated per call."""
+    key = (bounds, B)
+    r = _ROWS.get(key)
+    if r is None:
+        if len(_ROWS) > 64:
+            _ROWS.clear()
+        r = mx.stack([mx.array(x, dtype=mx.int32) for x in bounds])[None]
+        r = _ROWS[key] = r if B == 1 else mx.repeat(r, B, axis=0)
+    return r
 
 
 def _ints(*xs: int) -> mx.array:
@@ -71,10 +96,18 @@ def _ints(*xs: int) -> mx.array:
 
 def _codec_side(codec, dim: int, rotated: bool) -> tuple[Side, mx.array] | None:
     """(side, codebook) for a codec the kernel reads, else None."""
-    if type(codec) is AffineCodec and codec.layout == "channel":
-        return Side("affine", codec.bits, codec.group, dim), _dummy(mx.float32)
-    if type(codec) is TurboCodec and rotated and (dim * codec.bits) % 32 == 0:
-        return Side("turbo", codec.bits, dim, dim), codec.centroids
+    side = _side_for(type(codec), codec.bits, getattr(codec, "group", 0), getattr(codec, "layout", ""), dim, rotated)
+    if side is None:
+        return None
+    return side, (codec.centroids if side.kind == "turbo" else _dummy(mx.float32))
+
+
+@cache
+def _side_for(cls, bits: int, group: int, layout: str, dim: int, rotated: bool) -> Side | None:
+    if cls is AffineCodec and layout == "channel":
+        return Side("affine", bits, group, dim)
+    if cls is TurboCodec and rotated and (dim * bits) % 32 == 0:
+        return Side("turbo", bits, dim, dim)
     return None
 
 
@@ -88,11 +121,13 @@ def _codec_arrays(side: Side, parts: tuple) -> tuple | None:
 
 
 def _dense_side(x: mx.array) -> Side | None:
-    name = _dtype_name(x.dtype)
-    D = x.shape[-1]
-    if name not in DENSE_TYPES or D % 32:
-        return None
-    return Side.dense(name, D)
+    return _dense_for(x.dtype, x.shape[-1])
+
+
+@cache
+def _dense_for(dtype, dim: int) -> Side | None:
+    name = _dtype_name(dtype)
+    return Side.dense(name, dim) if name in DENSE_TYPES and dim % 32 == 0 else None
 
 
 def _sides(key_codec, value_codec, keys, values, dims, rotated):
@@ -121,6 +156,8 @@ def _rotation_ok(rotation, *codecs) -> bool:
 def view_launches(q: mx.array, view) -> list[Launch] | None:
     """A KVView's segments as launches, or None where one is not covered."""
     B, N = q.shape[0], q.shape[2]
+    if view.window is None and all(s.kind == DENSE for s in view.segments):
+        return None  # full precision, causal: MLX's fused SDPA needs no array mask here
     out = []
     for seg in view.segments:
         if seg.length == 0:
@@ -141,8 +178,7 @@ def view_launches(q: mx.array, view) -> list[Launch] | None:
             sides = _sides(None, None, (k,), (v,), None, False)
         if sides is None:
             return None
-        rows = mx.array([list(bounds)] * B, dtype=mx.int32)
-        out.append(Launch(*sides, rows, seg.length))
+        out.append(Launch(*sides, _rows(bounds, B), seg.length))
     return out or None
 
 
@@ -159,7 +195,7 @@ def packed_launches(q: mx.array, view) -> list[Launch] | None:
     return [Launch(*sides, rows, view.key_parts[0].shape[2])]
 
 
-@lru_cache(maxsize=None)
+@cache
 def plan_for(key: Side, value: Side, rep: int, n_queries: int) -> Plan:
     return Plan(key, value, rep, n_queries)
 
@@ -169,12 +205,13 @@ def _kernel(name: str, smem: int = 0):
     if key not in _KERNELS:
         if name == "decode":
             _KERNELS[key] = mx.fast.cuda_kernel(
-                name="mlxkv_decode", input_names=src.INPUTS, output_names=src.OUTPUTS, source=src.SOURCE,
-                header=src.HEADER, ensure_row_contiguous=False, shared_memory=smem)
+                name="mlxkv_decode", input_names=src.INPUTS, output_names=src.OUTPUTS,
+                source=src.compact(src.SOURCE), header=src.compact(src.HEADER), ensure_row_contiguous=False,
+                shared_memory=smem)
         else:
             _KERNELS[key] = mx.fast.cuda_kernel(
                 name="mlxkv_merge", input_names=src.MERGE_INPUTS, output_names=src.MERGE_OUTPUTS,
-                source=src.MERGE_SOURCE, ensure_row_contiguous=True)
+                source=src.compact(src.MERGE_SOURCE), ensure_row_contiguous=True)
     return _KERNELS[key]
 
 
@@ -207,8 +244,8 @@ def attend(q: mx.array, launches: list[Launch] | None, heads: int, scale: float,
     """The kernel's attention for these launches, or None where a plan is not admitted."""
     if not launches or backend_name() != "cuda":
         return None
-    B, Hq, N, _ = q.shape
-    if N > MAX_QUERIES or Hq % heads or _dtype_name(q.dtype) not in Q_TYPES:
+    _, Hq, N, _ = q.shape
+    if N > MAX_QUERIES or Hq % heads or q.dtype not in Q_TYPES:
         return None
     rep = Hq // heads
     plans = [plan_for(L.key, L.value, rep, N) for L in launches]
@@ -235,6 +272,8 @@ def packed_attention(q: mx.array, view, scale: float, sinks=None) -> mx.array | 
 # -- admission: each plan checked once on the device ---------------------------------------------
 def admitted(plan: Plan, q_dtype) -> bool:
     key = (plan, _dtype_name(q_dtype))
+    if _VERDICTS.get(key, 0) is None:
+        return True
     if key not in _VERDICTS:
         why = plan.why_not()
         if why is None:
@@ -242,7 +281,7 @@ def admitted(plan: Plan, q_dtype) -> bool:
 
             try:
                 why = check_plan(plan, q_dtype)
-            except Exception as e:  # a kernel that cannot build or run here: the portable path serves
+            except Exception as e:  # noqa: BLE001 - a kernel that cannot build or run here: the portable path serves
                 why = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         _VERDICTS[key] = why
     return _VERDICTS[key] is None
@@ -262,10 +301,10 @@ def describe(plan: Plan, q_dtype: str = "") -> str:
 
 
 def applies(q: mx.array, key_codec, value_codec) -> bool:
-    """Whether the kernel reads these codecs here (CUDA only; turbo also needs the rotated basis)."""
+    """Whether the kernel reads these codecs here, outside a rotated basis (CUDA only)."""
     if backend_name() != "cuda" or q.shape[2] > MAX_QUERIES:
         return False
-    return all(c is not None and _codec_side(c, c.head_dim, True) is not None for c in (key_codec, value_codec))
+    return all(c is not None and _codec_side(c, c.head_dim, False) is not None for c in (key_codec, value_codec))
 
 
 def spec_side(spec: CodecSpec, dim: int) -> Side:

@@ -55,7 +55,7 @@ class Side:
             raise ValueError(f"dim {self.dim} does not fill whole groups of {self.group} / 32-bit words")
 
     @classmethod
-    def dense(cls, dtype: str, dim: int) -> "Side":
+    def dense(cls, dtype: str, dim: int) -> Side:
         return cls("dense", DENSE_TYPES[dtype][0], dim, dim, dtype)
 
     @property
@@ -229,5 +229,5 @@ def token_bounds(q_start: int, n_queries: int, seg_start: int, seg_length: int, 
             hi = q_start + 1 - lag
         else:  # shadow
             lo = max(lo, q_start - lag + 1)
-    shift = lambda x: x if x == -BIG else x - seg_start  # noqa: E731
+    shift = lambda x: x if x == -BIG else x - seg_start
     return shift(lo), hi - seg_start, seg_length

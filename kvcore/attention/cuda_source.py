@@ -351,3 +351,14 @@ MERGE_SOURCE = r"""
   }
   out[(((long long)b * HQ + hq) * NQ + n) * DV + d] = static_cast<OT>(den > 0.f ? num / den : 0.f);
 """
+
+
+def compact(text: str) -> str:
+    """The text without comments, indentation or blank lines: MLX rebuilds and hashes the kernel
+    source on every call, so a shorter one costs less host time per launch."""
+    lines = []
+    for line in text.splitlines():
+        code = line.split("//", 1)[0].strip()
+        if code:
+            lines.append(code)
+    return "\n".join(lines) + "\n"
