@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException
 from . import protocol as P
 from .errors import APIError, from_validation
 from .logprobs import chat_logprobs, completion_logprobs
-from .generation import Generation, answer, chat_events, completion_events
+from .generation import Generation, Mailbox, answer, chat_events, completion_events
 from .metrics import render, snapshot
 from .prompting import chat_ids, completion_ids
 from .requests import check_model, engine_requests
@@ -42,6 +42,14 @@ class ServeState:
         self.draining = False
         self.refused: Counter = Counter()
         self.started = int(time.time())
+        self._box: Mailbox | None = None
+
+    def mailbox(self) -> Mailbox:
+        """The running loop's mailbox (made on first use, inside the loop)."""
+        loop = asyncio.get_running_loop()
+        if self._box is None or self._box.loop is not loop:
+            self._box = Mailbox(loop)
+        return self._box
 
     def enter(self, rows: int) -> None:
         if self.draining:
@@ -129,7 +137,7 @@ def create_app(worker: EngineWorker, served: Served) -> FastAPI:
         if not worker.alive:
             raise APIError(503, "the engine has stopped", code="engine_stopped")
         state.enter(len(rows))
-        gen = Generation(worker, rows, lambda: state.leave(len(rows)))
+        gen = Generation(worker, rows, lambda: state.leave(len(rows)), state.mailbox())
         try:
             await gen.accepted()
         except BaseException:

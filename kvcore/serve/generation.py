@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+from collections import deque
 from typing import AsyncIterator, Callable
 
 from ..engine import Completion, Request, TokenEvent
@@ -15,25 +17,44 @@ from .errors import APIError
 from .worker import ACCEPTED, EngineWorker, Finished
 
 
+class Mailbox:
+    """Items from the engine thread to the event loop's queues, handed over in one wake-up of the
+    loop per batch (one decode step's tokens for every stream), not one per token."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.items: deque[tuple[asyncio.Queue, object]] = deque()
+        self.lock = threading.Lock()
+        self.scheduled = False
+
+    def put(self, queue: asyncio.Queue, item) -> None:  # on the engine thread
+        with self.lock:
+            self.items.append((queue, item))
+            if self.scheduled:
+                return
+            self.scheduled = True
+        try:
+            self.loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # the loop is gone (shutdown)
+            pass
+
+    def _deliver(self) -> None:  # on the event loop
+        with self.lock:
+            items, self.items, self.scheduled = self.items, deque(), False
+        for queue, item in items:
+            queue.put_nowait(item)
+
+
 class Generation:
-    def __init__(self, worker: EngineWorker, requests: list[Request], on_close: Callable[[], None]):
+    def __init__(self, worker: EngineWorker, requests: list[Request], on_close: Callable[[], None], box: Mailbox):
         self.worker, self.requests, self.on_close = worker, requests, on_close
         self.queue: asyncio.Queue = asyncio.Queue()  # (choice index, item)
         self.completions: list[Completion | None] = [None] * len(requests)
         self.cached = [0] * len(requests)  # prompt tokens each row reused from the prefix cache
         self.early: list[tuple[int, object]] = []  # items that came before every row was accepted
         self.closed = False
-        loop = asyncio.get_running_loop()
         for i, request in enumerate(requests):
-            worker.submit(request, self._pusher(loop, i))
-
-    def _pusher(self, loop, i: int):
-        def push(item):  # on the engine thread
-            try:
-                loop.call_soon_threadsafe(self.queue.put_nowait, (i, item))
-            except RuntimeError:  # the loop is gone (shutdown)
-                pass
-        return push
+            worker.submit(request, lambda item, i=i: box.put(self.queue, (i, item)))
 
     @property
     def done(self) -> bool:
