@@ -52,13 +52,9 @@ def test_x_mlx_lm_names_the_row_it_compares_with(run):
     quant = rows[(16, "affine:4", "mlxkv")]
     assert quant["vs_mlx_lm_scheme"] == "full" and quant["vs_mlx_lm"] == round(quant["decode_tps"] / base["decode_tps"], 3)
     assert rows[(16, "full", "mlxkv")]["vs_mlx_lm_scheme"] == "full"
-    buf = io.StringIO()
-    bench_output.out.file, old = buf, bench_output.out.file
-    try:
+    with bench_output.out.capture() as captured:
         bench_output.render(rep, False)
-    finally:
-        bench_output.out.file = old
-    text = " ".join(buf.getvalue().split())
+    text = " ".join(captured.get().split())
     assert "(vs full)" in text and "as a share of the bandwidth ceiling" in text
 
 
