@@ -19,6 +19,7 @@ class Buffer:
         self.parts: tuple[mx.array, ...] | None = None
         self.n = 0
         self.step = step
+        self.hint = 0  # entries `reserve` asked for before the parts' shapes were known
 
     def __len__(self) -> int:
         return self.n
@@ -32,7 +33,8 @@ class Buffer:
         if k == 0:
             return
         if self.parts is None or self.n + k > self.capacity:
-            grow = (k + self.step - 1) // self.step * self.step
+            grow = max((k + self.step - 1) // self.step * self.step, self.hint - self.n)
+            self.hint = 0
 
             def widen(old, part):
                 spare = mx.zeros((*part.shape[:2], grow, *part.shape[3:]), dtype=part.dtype)
@@ -43,6 +45,18 @@ class Buffer:
         for part, value in zip(self.parts, new):
             part[:, :, self.n : self.n + k] = value
         self.n += k
+
+    def reserve(self, n: int) -> None:
+        """Room for n entries in all, allocated once: a prefill that knows its length grows the
+        buffer once instead of copying it at every chunk (each copy holds old and new at once)."""
+        if self.parts is None:
+            self.hint = max(self.hint, n)
+            return
+        if n <= self.capacity:
+            return
+        spare = n - self.n
+        self.parts = tuple(mx.concatenate([p[:, :, : self.n], mx.zeros((*p.shape[:2], spare, *p.shape[3:]), dtype=p.dtype)],
+                                          axis=2) for p in self.parts)
 
     def get(self, start: int = 0, stop: int | None = None) -> tuple[mx.array, ...]:
         stop = self.n if stop is None else stop
@@ -61,7 +75,7 @@ class Buffer:
         self.n = max(0, min(n, self.n))
 
     def clear(self) -> None:
-        self.parts, self.n = None, 0
+        self.parts, self.n, self.hint = None, 0, 0
 
     def set(self, parts: tuple[mx.array, ...]) -> None:
         self.parts, self.n = parts, parts[0].shape[2]

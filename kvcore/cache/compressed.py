@@ -143,7 +143,7 @@ class CompressedKVCache(_BaseCache):
             self.tail.reserve(tokens - self.tail_start)
         else:
             start = self.enc_start if self.enc.n else self.tail_start
-            self.enc.reserve(-(-(tokens - start) // self.block_tokens))
+            self.enc.reserve(max(0, tokens - start - self.recent) // self.block_tokens)  # the rest stays dense
 
     def _drop_old(self, q_start: int) -> None:
         """Drop recent tokens no query from q_start on can see, in TRIM_STEP steps."""

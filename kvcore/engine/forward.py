@@ -12,8 +12,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..cache import BatchCompressedKVCache, CompressedKVCache
+from ..transient import default_prefill_chunk
 
-DEFAULT_PREFILL_CHUNK = 512
+DEFAULT_PREFILL_CHUNK = default_prefill_chunk()  # mlx-lm's 2048; kvcore.transient.plan_prefill for a budget
 
 
 def compressed(caches: list) -> list[CompressedKVCache]:
@@ -65,6 +66,8 @@ def prefill_chunk(model: nn.Module, tokens: list[int], caches: list, done: int,
     last position's logits are meaningful to callers (the prompt's last chunk returns n = 1).
     """
     pos = cache_offset(caches)
+    for c in compressed(caches):
+        c.reserve(pos + len(tokens) - done)  # the buffers grow once for the whole prompt
     end = min(done + chunk, len(tokens))
     b = next_boundary(caches, pos)
     if b is not None and b < pos + end - done:
@@ -87,4 +90,5 @@ def prefill(model: nn.Module, tokens: list[int], caches: list, chunk: int = DEFA
         done, logits = prefill_chunk(model, tokens, caches, done, chunk)
         if done == len(tokens):
             return logits[:, -1, :]
+        del logits  # unevaluated, it would hold the last layer's cache buffers of this chunk
         mx.eval([c.state for c in caches])

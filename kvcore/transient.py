@@ -1,0 +1,175 @@
+"""The run's memory model: weights + compressed KV + one layer's transient, named and bounded.
+
+A chunked prefill holds, beyond the weights and the caches' buffers, the transient of the
+layer it is computing (the lazy graph of a chunk runs layer after layer, and nothing of an
+earlier layer's attention outlives it):
+
+```
+attention    the call's scratch (decoded K/V), decode workspace, mask, scores, q/out
+             (kvcore.attention.scratch.CallBytes, kept within AttentionConfig.scratch_bytes)
+activations  the chunk's hidden states, q/k/v, MLP intermediates (chunk x per-token bytes)
+update       the chunk's K/V entering the cache: its dense copy and the codec's encode
+logits       (chunk, vocab) float32 where the run needs every position's (fidelity)
+```
+`plan_prefill` picks, for a memory budget, the largest prefill chunk (mlx-lm's 2048 at most)
+whose transient fits beside the weights and the KV at the final context, and the scratch
+budget the attention may use; `kvcore.cache.bytes` counts the KV side.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import mlx.core as mx
+
+from .attention.config import DEFAULT as DEFAULT_ATTENTION
+from .attention.config import AttentionConfig
+from .attention.prefill import default_scratch_bytes, plan_call
+from .attention.scratch import CallBytes, CallShape, workspace_factor
+from .backend import backend_name
+from .cache.bytes import layer_shapes
+from .codecs import FULL, make_codec
+from .errors import MlxkvError
+
+DEFAULT_PREFILL_CHUNK = 2048  # mlx-lm's prefill_step_size
+MIN_PREFILL_CHUNK = 64
+MIN_GROUP = 64  # queries per fused call below which a smaller chunk is preferred
+ENCODE_WORKSPACE = {"AffineCodec": 2.0, "TurboCodec": 12.0}  # per dense input byte (float32 rotation, indices)
+UNKNOWN_ENCODE = 16.0
+
+
+def default_prefill_chunk() -> int:
+    """The chunk a run without a memory budget uses: mlx-lm's 2048 on every device (the memory
+    of a chunk is bounded by the attention budget; `plan_prefill` lowers it for a budget)."""
+    return DEFAULT_PREFILL_CHUNK
+
+
+@dataclass(frozen=True)
+class LayerTransient:
+    attention: CallBytes
+    activations: int
+    update: int
+    logits: int = 0
+    group: int = 0  # the smallest query group of a fused call over the layers (0: some layer goes blockwise)
+    ahead: int = 0  # CPU: the next layer's scratch, decoded while this layer's tasks are still in flight
+
+    @property
+    def total(self) -> int:
+        return self.attention.total + self.activations + self.update + self.logits + self.ahead
+
+    def to_json(self) -> dict:
+        return {"attention": self.attention.to_json(), "activations": self.activations, "update": self.update,
+                "logits": self.logits, "group": self.group, "ahead": self.ahead, "total": self.total}
+
+
+def _text(config: dict) -> dict:
+    return config.get("text_config", config)
+
+
+def activation_bytes(config: dict, chunk: int, dtype_size: int = 2) -> int:
+    """A chunk's activations in one decoder layer: the residual stream, norms and projections
+    (4 x hidden), q/k/v and their RoPE copies, the attention output, the MLP's gate, up and
+    product (3 x intermediate)."""
+    c = _text(config)
+    hidden, heads = c["hidden_size"], c["num_attention_heads"]
+    kv = c.get("num_key_value_heads") or heads
+    hd = max(c.get("head_dim") or hidden // heads, c.get("global_head_dim") or 0)
+    inter = c.get("intermediate_size") or 4 * hidden
+    return chunk * dtype_size * (4 * hidden + 2 * (heads + 2 * kv) * hd + heads * hd + 3 * inter)
+
+
+def _encode_factor(codec) -> float:
+    return 0.0 if codec is None else ENCODE_WORKSPACE.get(type(codec).__name__, UNKNOWN_ENCODE)
+
+
+def layer_transient(config: dict, policy, context: int, chunk: int, dtype_size: int = 2,
+                    scratch_bytes: int | None = None, logits: bool = False) -> LayerTransient:
+    """The largest layer transient of a prefill of `context` tokens in `chunk`-token chunks
+    under `policy` (the last chunk: the longest past); attention planned within `scratch_bytes`
+    (None: unbounded, what the call needs whole)."""
+    dtype = {2: mx.bfloat16, 4: mx.float32}.get(dtype_size, mx.float16)
+    c = _text(config)
+    heads = c["num_attention_heads"]
+    n = min(chunk, context)
+    limit = scratch_bytes if scratch_bytes is not None else 1 << 62
+    worst, update, group = CallBytes(), 0, n
+    for i, s in enumerate(layer_shapes(config)):
+        if s.kind == "other":
+            continue
+        key, value = policy.codec_for(i), policy.value_codec_for(i)
+        kc, vc = (make_codec(x, s.head_dim) if x != FULL and x.compresses else None for x in (key, value))
+        window = s.window or policy.max_kv_size
+        T = min(context, window + n) if window else context
+        encoded = policy.compresses and (kc or vc) and context >= (policy.start or 0)
+        bt = (kc or vc).block_tokens if encoded else 1
+        multi = bool(window) or policy.recent > 0 or bt > 1
+        factor = max(workspace_factor(kc, dtype), workspace_factor(vc, dtype)) if encoded else 0.0
+        shape = CallShape(1, heads, s.kv_heads, s.head_dim, s.head_dim, n, T,
+                          "array" if window or (encoded and (policy.recent or bt > 1)) else "causal",
+                          in_place=not encoded and not window, segments=3 if multi else 1,
+                          encoded=max(0, T - policy.recent) if encoded else 0, factor=factor)
+        plan = plan_call(shape, dtype, limit)
+        call = plan.bytes if plan is not None else replace(CallBytes(), scratch=limit)  # blockwise: within limit
+        group = min(group, plan.group if plan is not None else 0)
+        if call.total > worst.total:
+            worst = call
+        dense = -(-n // 256) * 256 * s.kv_heads * 2 * s.head_dim * dtype_size  # the tail buffer's chunk
+        enc = n * s.kv_heads * s.head_dim * dtype_size * (_encode_factor(kc) + _encode_factor(vc))
+        update = max(update, dense + int(enc))
+    vocab = c.get("vocab_size", 0)
+    # MLX's CPU stream runs up to 10 tasks behind the graph walk: the next layer's decode can be
+    # allocated before this layer's attention tasks have freed theirs (GPU streams free in order)
+    ahead = worst.scratch + worst.workspace if backend_name() == "cpu" else 0
+    return LayerTransient(worst, activation_bytes(config, n, dtype_size), update,
+                          3 * n * vocab * 4 if logits else 0, group, ahead)
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    chunk: int
+    attention: AttentionConfig  # scratch_bytes: what the attention call may hold
+    transient: LayerTransient
+    weights: int
+    kv: int
+
+    @property
+    def peak(self) -> int:
+        """Predicted peak: weights + KV + one layer's transient."""
+        return self.weights + self.kv + self.transient.total
+
+    def to_json(self) -> dict:
+        return {"chunk": self.chunk, "scratch_bytes": self.attention.scratch_bytes, "weights": self.weights,
+                "kv": self.kv, "transient": self.transient.to_json(), "peak": self.peak}
+
+
+def plan_prefill(config: dict, policy, context: int, weights: int, kv: int, budget: int | None = None,
+                 dtype_size: int = 2, attention: AttentionConfig = DEFAULT_ATTENTION, max_chunk: int = DEFAULT_PREFILL_CHUNK,
+                 logits: bool = False) -> PrefillPlan:
+    """The largest chunk (halving from `max_chunk`) and the attention budget under which a prefill
+    of `context` tokens stays within `budget` bytes (None: the attention's device default)
+    beside `weights` and `kv` (the caches' bytes at the final context: kvcore.cache.bytes).
+    A one-line MlxkvError when not even MIN_PREFILL_CHUNK fits."""
+    if budget is None:
+        scratch = attention.scratch_bytes if attention.scratch_bytes is not None else default_scratch_bytes()
+        n = min(max_chunk, max(context, 1))
+        t = layer_transient(config, policy, context, n, dtype_size, scratch, logits)
+        return PrefillPlan(n, replace(attention, scratch_bytes=scratch), t, weights, kv)
+    left = budget - weights - kv
+    n = min(max_chunk, max(context, 1))
+    fallback = None
+    while True:
+        need = layer_transient(config, policy, context, n, dtype_size, None, logits)
+        room = left - need.activations - need.update - need.logits - need.ahead
+        if room > 0:
+            t = layer_transient(config, policy, context, n, dtype_size, room, logits)
+            plan = PrefillPlan(n, replace(attention, scratch_bytes=room), t, weights, kv)
+            if t.group >= min(n, MIN_GROUP):  # fused calls of reasonable query groups in every layer
+                return plan
+            fallback = plan  # the blockwise loop (or tiny groups) at the smallest chunk that fits
+        if n <= MIN_PREFILL_CHUNK:
+            break
+        n = max(MIN_PREFILL_CHUNK, n // 2)
+    if fallback is not None:
+        return fallback
+    raise MlxkvError(f"a {context}-token prefill does not fit {budget / 1e9:.2f} GB: weights {weights / 1e9:.2f} GB "
+                     f"+ KV {kv / 1e9:.2f} GB leave {max(left, 0) / 1e9:.3f} GB for one layer's transient")
