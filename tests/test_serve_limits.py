@@ -123,19 +123,26 @@ def test_a_row_the_kv_budget_never_holds_is_refused(server):
     assert metric(metrics(server), "kv_budget_bytes") == BUDGET
 
 
-def test_serve_command_answers_and_exits_0_on_sigterm():
-    proc = subprocess.Popen([sys.executable, "-m", "mlxkv_cli", "serve", "--port", "0", "--api-key", "k"],
-                            stderr=subprocess.PIPE, text=True)
+def test_serve_command_finishes_a_running_stream_on_sigterm_and_exits_0(tiny_models):
+    proc = subprocess.Popen([sys.executable, "-m", "mlxkv_cli", "serve", "-m", str(tiny_models("qwen3")),
+                             "--port", "0", "--api-key", "k"], stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stderr.readline()
         port = int(re.search(r"http://127\.0\.0\.1:(\d+)/v1", line).group(1))
         url = f"http://127.0.0.1:{port}"
         assert get(url, "/health")[0] == 200 and get(url, "/v1/models")[0] == 401
-        status, r = post(url, {"model": "embedded:stories260K", "prompt": "Once upon a time", "max_tokens": 5,
-                               "temperature": 0}, "k", path="/v1/completions")
-        assert status == 200 and r["choices"][0]["text"].startswith(", there was")
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.request("POST", "/v1/completions", json.dumps({
+            "model": "qwen3", "prompt": "Once upon a time", "max_tokens": 300, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}), {"Content-Type": "application/json", "Authorization": "Bearer k"})
+        resp = conn.getresponse()
+        assert resp.status == 200
+        while not resp.readline().startswith(b"data:"):
+            pass
+        proc.send_signal(signal.SIGTERM)  # mid-stream: it runs to its end, then the server exits
+        data = [ln[5:].strip() for ln in resp.read().decode().splitlines() if ln.startswith("data:")]
+        assert data[-1] == "[DONE]" and json.loads(data[-2])["usage"]["completion_tokens"] == 300
+        assert proc.wait(60) == 0
         assert proc.stderr.read().strip().splitlines()[-1] == "server stopped"
     finally:
         if proc.poll() is None:

@@ -57,7 +57,7 @@ class ServeState:
             raise APIError(503, "the server is shutting down", code="shutting_down")
         if self.in_flight + rows > self.max_pending:
             self.refused[429] += 1
-            raise APIError(429, f"the server is at capacity ({self.max_pending} requests in flight); retry later",
+            raise APIError(429, f"the server is at capacity ({self.max_pending} rows in flight); retry later",
                            code="queue_full", type="rate_limit_exceeded")
         self.in_flight += rows
 
