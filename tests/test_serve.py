@@ -145,6 +145,8 @@ BASE = {"messages": [{"role": "user", "content": "Tom"}], "max_tokens": 2}
     ({"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
     ({"temperature": 3}, 400, "temperature"),
+    ({"repetition_penalty": float("inf")}, 400, "repetition_penalty"),  # JSON's Infinity, caught by the engine's check
+    ({"max_tokens": 0}, 200, None),  # allowed: an empty completion
     ({"stream": "yes"}, 400, "stream"),
     ({"frobnicate": 1}, 400, "frobnicate"),
     ({"n": 0}, 400, "n"),
@@ -157,6 +159,9 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on(server, body, sta
     if isinstance(body, dict):
         body = {"model": server.served.name, **BASE, **body}
     got, err = post(server.url, body, KEY)
+    if status == 200:
+        assert got == 200 and err["choices"][0]["message"]["content"] == "" and err["usage"]["completion_tokens"] == 0
+        return
     assert got == status and set(err["error"]) == {"message", "type", "param", "code"}
     assert err["error"]["param"] == param and err["error"]["message"]
     ok, r = post(server.url, {"model": server.served.name, **BASE}, KEY)

@@ -21,6 +21,8 @@ _OPTIONAL_SAMPLING = {
     "frequency_penalty": (0.0, "frequency_penalty"),
     "logit_bias": ({}, "logit_bias"),
 }
+_FLAG_FIELDS = {"--temp": "temperature", "--top-p": "top_p", "--min-p": "min_p", "--seed": "seed",
+                "--top-k": "top_k", "--repetition-penalty": "repetition_penalty", "--logprobs": "logprobs"}
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
@@ -81,8 +83,12 @@ def sampling(body) -> SamplingConfig:
         kw["logprobs"] = body.logprobs
     try:
         return SamplingConfig(**kw)
-    except (MlxkvError, ValueError, TypeError) as e:
-        raise bad_request(str(e).replace("--temp", "temperature").replace("--", ""), code="invalid_value") from None
+    except (MlxkvError, ValueError, TypeError) as e:  # SamplingConfig names its fields as the CLI's flags
+        msg = str(e)
+        param = next((p for flag, p in _FLAG_FIELDS.items() if msg.startswith(flag + " ")), None)
+        for flag, p in _FLAG_FIELDS.items():
+            msg = msg.replace(flag, p)
+        raise bad_request(msg, param, "invalid_value") from None
 
 
 def response_constraint(fmt: dict | None):
