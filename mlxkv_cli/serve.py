@@ -23,7 +23,7 @@ def serve(
     port: Annotated[int, typer.Option(help="Port to listen on (0: any free port).")] = 8080,
     batch_size: Annotated[int, typer.Option(help="Most rows decoding together (continuous batching).")] = 8,
     max_kv_bytes: Annotated[Optional[str], typer.Option(help="KV budget for admitting rows, e.g. 2GB (default: the GPU's working set or half of RAM).")] = None,
-    max_queue: Annotated[int, typer.Option(help="Requests waiting beyond the running batch; more are refused with 429.")] = 64,
+    max_queue: Annotated[int, typer.Option(help="Rows waiting beyond the running batch (a request with n choices is n rows); more are refused with 429.")] = 64,
     api_key: Annotated[Optional[str], typer.Option(envvar="MLXKV_API_KEY", show_envvar=True, help="Require `Authorization: Bearer KEY` on every route but /health.")] = None,
     max_body_bytes: Annotated[str, typer.Option(help="Largest request body (413 beyond it).")] = "4MiB",
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="A chat request's max_tokens when it sets none (clamped to the context).")] = 512,
