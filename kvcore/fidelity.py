@@ -15,13 +15,16 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .engine.forward import forward, next_boundary, cache_offset
+from .engine.forward import cache_offset, compressed, forward, next_boundary
 
 
-def teacher_forced_logprobs(model: nn.Module, tokens: list[int], caches: list, chunk: int = 64) -> mx.array:
-    """Log-probabilities (T, vocab) of the next token at every position of `tokens`."""
-    out, i = [], 0
+def _chunks(model: nn.Module, tokens: list[int], caches: list, chunk: int):
+    """(start, end, log-probabilities (end - start, vocab)) per teacher-forced chunk, each chunk
+    ending early at a conversion start (as the engine's prefill does)."""
+    i = 0
     pos0 = cache_offset(caches)
+    for c in compressed(caches):
+        c.reserve(pos0 + len(tokens))  # the buffers grow once for the whole text
     while i < len(tokens):
         end = min(i + chunk, len(tokens))
         b = next_boundary(caches, pos0 + i)
@@ -30,9 +33,42 @@ def teacher_forced_logprobs(model: nn.Module, tokens: list[int], caches: list, c
         logits = forward(model, mx.array(tokens[i:end])[None], caches)[0].astype(mx.float32)
         lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         mx.eval(lp)
-        out.append(lp)
+        yield i, end, lp
         i = end
-    return mx.concatenate(out, axis=0)
+
+
+def teacher_forced_logprobs(model: nn.Module, tokens: list[int], caches: list, chunk: int = 64) -> mx.array:
+    """Log-probabilities (T, vocab) of the next token at every position of `tokens`."""
+    return mx.concatenate([lp for _, _, lp in _chunks(model, tokens, caches, chunk)], axis=0)
+
+
+def teacher_forced_stats(model: nn.Module, tokens: list[int], caches: list, ref_lp: mx.array,
+                         chunk: int = 64) -> TokenStats:
+    """`token_stats(ref_lp, teacher_forced_logprobs(...), tokens)`, chunk by chunk: the scheme's
+    (T, vocab) log-probabilities never exist at once (one chunk's do)."""
+    parts = []
+    for i, end, lp in _chunks(model, tokens, caches, chunk):
+        stop = min(end, len(tokens) - 1)  # the last position has no next token
+        if stop > i:
+            parts.append(_stats(ref_lp[i:stop], lp[: stop - i], tokens[i + 1 : stop + 1]))
+    return TokenStats(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("kl", "agree", "nll_ref", "nll")))
+
+
+def teacher_forced_chunk(model: nn.Module, config: dict, tokens: int, budget: int | None = None) -> int:
+    """The chunk a teacher-forced run of `tokens` tokens uses when none is given: the largest
+    (up to mlx-lm's 2048) whose transient, every position's float32 logits included, fits
+    `budget` (default: the device's working set) beside the weights and the window's
+    full-precision KV (`kvcore.transient.plan_prefill`)."""
+    from .cache.bytes import KVByteModel
+    from .engine.memory import dtype_size, model_bytes, working_set
+    from .policy import KVPolicy
+    from .policy.plan import plan_layers
+    from .transient import plan_prefill
+
+    size = dtype_size(model)
+    kv = KVByteModel(config, plan_layers(model, KVPolicy()), size, mlxkv=False).row_alloc(tokens)
+    budget = working_set() if budget is None else budget
+    return plan_prefill(config, KVPolicy(), tokens, model_bytes(model), kv, budget, size, logits=True).chunk
 
 
 @dataclass
@@ -59,11 +95,16 @@ class TokenStats:
 
 def token_stats(ref_lp: mx.array, lp: mx.array, tokens: list[int]) -> TokenStats:
     """ref_lp, lp: (T, vocab) log-probabilities of the same T tokens; the last has no target."""
-    ref, cur = ref_lp[:-1].astype(mx.float32), lp[:-1].astype(mx.float32)
-    kl = (mx.exp(ref) * (ref - cur)).sum(axis=-1)  # (T-1,)
-    targets = mx.array(tokens[1:])[:, None]
-    nll_ref = -mx.take_along_axis(ref, targets, axis=-1)[:, 0]
-    nll = -mx.take_along_axis(cur, targets, axis=-1)[:, 0]
+    return _stats(ref_lp[:-1], lp[:-1], tokens[1:])
+
+
+def _stats(ref: mx.array, cur: mx.array, targets: list[int]) -> TokenStats:
+    """Per position of ref, cur (n, vocab) predicting `targets` (n tokens)."""
+    ref, cur = ref.astype(mx.float32), cur.astype(mx.float32)
+    kl = (mx.exp(ref) * (ref - cur)).sum(axis=-1)  # (n,)
+    t = mx.array(targets)[:, None]
+    nll_ref = -mx.take_along_axis(ref, t, axis=-1)[:, 0]
+    nll = -mx.take_along_axis(cur, t, axis=-1)[:, 0]
     agree = ref.argmax(-1) == cur.argmax(-1)
     mx.eval(kl, nll_ref, nll, agree)
     f64 = lambda a: np.array(a.astype(mx.float32), dtype=np.float64)  # noqa: E731

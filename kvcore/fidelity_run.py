@@ -19,7 +19,7 @@ import mlx.core as mx
 from .backend import backend_name, versions
 from .bench.fit import layer_shapes
 from .errors import MlxkvError
-from .fidelity import Fidelity, TokenStats, pool, teacher_forced_logprobs, token_stats
+from .fidelity import Fidelity, TokenStats, pool, teacher_forced_chunk, teacher_forced_logprobs, teacher_forced_stats
 from .fidelity_bytes import KVBytes, kv_bytes
 from .fidelity_schemes import Scheme, parse_schemes, scheme_note
 from .models import load_model, parse_dtype
@@ -41,7 +41,7 @@ class FidelityJob:
     schemes: str = "full,affine:8,affine:4,turbo:k4v3"  # comma-separated, see fidelity_schemes.py
     model: str | None = None
     dtype: str | None = None
-    chunk: int = 64
+    chunk: int | None = None  # None: the largest the memory allows (fidelity.teacher_forced_chunk)
     windows: int = 1  # per text
     window_tokens: int = 1024
     baselines: bool = True  # add mlx-lm's QuantizedKVCache beside each affine scheme
@@ -85,7 +85,7 @@ class FidelityReport:
 
 
 def _check(job: FidelityJob) -> None:
-    if job.chunk < 1:
+    if job.chunk is not None and job.chunk < 1:
         raise MlxkvError(f"--chunk must be >= 1, got {job.chunk}")
     if job.windows < 1 or job.window_tokens < 2:
         raise MlxkvError(f"--windows must be >= 1 and --window-tokens >= 2, got {job.windows}, {job.window_tokens}")
@@ -131,11 +131,10 @@ def _measure(row: SchemeRow, scheme: Scheme, model, name: str, tokens: list[int]
     t0 = time.perf_counter()
     try:
         caches = scheme.caches(model)
-        lp = teacher_forced_logprobs(model, tokens, caches, chunk)
+        s = teacher_forced_stats(model, tokens, caches, ref, chunk)
     except (ValueError, RuntimeError, MlxkvError) as e:  # e.g. mx.quantize: group does not divide head_dim
         row.error = str(e).splitlines()[0] if str(e) else type(e).__name__
         return
-    s = token_stats(ref, lp, tokens)
     row.stats.append(s)
     row.per_text.setdefault(name, []).append(s)
     row.kv.append(kv_bytes(caches))
@@ -151,14 +150,15 @@ def run_fidelity(job: FidelityJob, on_progress: Callable[[int, int, str], None] 
     shapes = layer_shapes(lm.config)
     rows = [SchemeRow(s.name, s.engine, note=scheme_note(s.policy, shapes)) for s in schemes]
     total, done = len(windows) * (len(schemes) + 1), 0
+    chunk = job.chunk or teacher_forced_chunk(lm.model, lm.config, job.window_tokens)
     for name, tokens in windows:
-        ref = teacher_forced_logprobs(lm.model, tokens, build_caches(lm.model, KVPolicy())[0], job.chunk)
+        ref = teacher_forced_logprobs(lm.model, tokens, build_caches(lm.model, KVPolicy())[0], chunk)
         done += 1
         if on_progress:
             on_progress(done, total, f"{name}: reference")
         for scheme, row in zip(schemes, rows):
             if row.error is None:
-                _measure(row, scheme, lm.model, name, tokens, ref, job.chunk)
+                _measure(row, scheme, lm.model, name, tokens, ref, chunk)
             done += 1
             if on_progress:
                 on_progress(done, total, f"{name}: {scheme.name}")
@@ -166,7 +166,7 @@ def run_fidelity(job: FidelityJob, on_progress: Callable[[int, int, str], None] 
         mx.clear_cache()
     dtype = job.dtype or _float_dtype(lm.model)
     meta = {"model": lm.source, "texts": job.texts, "windows": len(windows), "window_tokens": job.window_tokens,
-            "chunk": job.chunk, "dtype": dtype, "backend": backend_name(), "versions": versions()}
+            "chunk": chunk, "dtype": dtype, "backend": backend_name(), "versions": versions()}
     return FidelityReport(rows, meta)
 
 

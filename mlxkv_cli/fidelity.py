@@ -78,7 +78,7 @@ def fidelity(
     text: Annotated[Optional[list[Path]], typer.Option("--text", "-t", help="Held-out text file (repeatable). Default: the public-domain sample shipped with mlxkv.")] = None,
     model: ModelOpt = None,
     kv: Annotated[str, typer.Option("--kv", help="Comma-separated KV schemes (full, affine:8, affine:4/g32, turbo:k4v3, turbo:4/r16, config:FILE, mlx-lm:affine:4).")] = "full,affine:8,affine:4,turbo:k4v3",
-    chunk: Annotated[int, typer.Option(help="Tokens per teacher-forced forward pass.")] = 64,
+    chunk: Annotated[Optional[int], typer.Option(help="Tokens per teacher-forced forward pass. Default: the largest the memory allows (up to 2048).")] = None,
     windows: Annotated[int, typer.Option(help="Windows per text.")] = 1,
     window_tokens: Annotated[int, typer.Option(help="Tokens per window.")] = 1024,
     dtype: DtypeOpt = None,

@@ -28,6 +28,7 @@ from .buffer import Buffer
 from .view import DENSE, ENCODED, SHADOW, KVView, Segment
 
 TRIM_STEP = 128  # a multiple of every block size, so dropping never splits a block
+CONVERT_PIECE = 4096  # tokens encoded per call when a layer's stored tokens are converted at once
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
@@ -179,13 +180,27 @@ class CompressedKVCache(_BaseCache):
         self._fresh = (k, v, self.tail_start - nb * bt)
         return self._fresh
 
-    def convert(self) -> None:
-        """Encode everything stored so far (one layer; callers eval between layers)."""
+    def convert(self, piece: int = CONVERT_PIECE) -> None:
+        """Encode everything stored so far (one layer; callers eval between layers), at most
+        `piece` tokens per encode call, each piece evaluated before the next, so the codec's
+        working arrays (turbo: float32 rotations and indices) are one piece's, not the layer's."""
         if self.converted or self.start is None or self._dims is None:
             self.converted = self.converted or self.start is not None
             return
         self.converted = True
         self.enc_start = self.tail_start
+        bt = self.block_tokens
+        step = max(piece // bt, 1) * bt
+        if self.tail.n - self.recent > step:
+            self.enc.reserve((self.tail.n - self.recent) // bt)
+            while self.tail.n - self.recent > step:
+                k, v = self.tail.get(0, step)
+                ek = self.key_codec.encode(k)
+                self._n_key_parts = len(ek)
+                self.enc.append((*ek, *self.value_codec.encode(v)))
+                self.tail.drop_front(step)
+                self.tail_start += step
+                mx.eval(self.enc.parts)
         self._encode_complete_blocks()
 
     def _view(self, q_start: int, N: int, shadow) -> KVView:

@@ -48,7 +48,10 @@ def _dense(e: dict, parts: list) -> tuple[tuple | None, tuple | None, int]:
         rest.append((kc.decode(tuple(parts[lo : lo + kp]), dtype), vc.decode(tuple(parts[lo + kp : hi]), dtype)))
     if e["tail"]:
         rest.append(tuple(parts[hi:]))
-    joined = tuple(mx.concatenate([r[j] for r in rest], axis=2) for j in (0, 1)) if rest else None
+    if len(rest) > 1:  # (a lone part is used as it is: no second copy of the layer)
+        joined = tuple(mx.concatenate([r[j] for r in rest], axis=2) for j in (0, 1))
+    else:
+        joined = rest[0] if rest else None
     return (tuple(parts[:lo]) or None), joined, e["enc_start"] if e["enc"] else e["tail_start"]
 
 
