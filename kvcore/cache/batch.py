@@ -23,7 +23,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
 
 from .compressed import CompressedKVCache
-from .packed import PackedRows
+from .packed import PackedRows, device_lengths
 from .view import BatchKVView
 
 
@@ -60,7 +60,7 @@ class BatchCompressedKVCache(_BaseCache):
     @property
     def offset(self) -> mx.array:
         if self.packed is not None:
-            return mx.array(self.packed.lengths)
+            return device_lengths(self.packed.lengths)
         return mx.array([r.offset - p for r, p in zip(self._rows, self._pad)])
 
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None, **kwargs):

@@ -23,6 +23,17 @@ from .buffer import Buffer
 from .compressed import CompressedKVCache
 
 STEP = 256
+_LAST: dict = {}  # the last row lengths handed to the device, and their array
+
+
+def device_lengths(lengths: list[int]) -> mx.array:
+    """`lengths` as a device array, made once for all the layers of a step: every layer of a
+    batch holds the same lengths, and an array made on the host costs a transfer (on CUDA a
+    managed-memory page) each time it is made."""
+    key = tuple(lengths)
+    if _LAST.get("key") != key:
+        _LAST["key"], _LAST["array"] = key, mx.array(key, dtype=mx.int32)
+    return _LAST["array"]
 
 
 def packable(row: CompressedKVCache) -> bool:
@@ -135,7 +146,7 @@ class PackedRows:
             grow = (need - self.parts[0].shape[2] + STEP - 1) // STEP * STEP
             self.parts = tuple(mx.pad(p, [(0, 0), (0, 0), (0, grow)] + [(0, 0)] * (p.ndim - 3))
                                for p in self.parts)
-        q_start = mx.array(self.lengths)
+        q_start = device_lengths(self.lengths)
         idx = (q_start[:, None] + mx.arange(N)[None]).reshape(B, 1, N)  # (B, 1, N)
         out = []
         for p, v in zip(self.parts, new):
