@@ -14,6 +14,7 @@ from .engine import GenerateConfig, Request, SamplingConfig, generate_one, kv_su
 from .engine.chat import continue_chat, conversation, held_ids, save_conversation
 from .engine.prompt import encode_continuation, encode_prompt, has_chat_template
 from .errors import MlxkvError
+from .models import context_notice
 from .distributed import launched, load_for_run, on_every_rank
 from .engine.forward import cache_offset
 from .policy import KVOptions, build_caches, resolve_policy
@@ -39,6 +40,7 @@ class GenerateJob:
     load_cache: str | None = None  # continue from a saved cache
     continue_mode: str = "append"  # with load_cache: "append" the prompt as raw tokens | it is the "full" prompt
     chat_continue: bool = False  # "append" through the chat template, as a new user turn
+    extra_eos: tuple[str, ...] = ()  # more tokens that end a row (mlx-lm's --extra-eos-token)
     adapter_path: str | None = None  # an mlx-lm LoRA adapter folder, loaded into the model
 
 
@@ -78,7 +80,7 @@ def run_generate(job: GenerateJob, on_text: Callable[[str], None] | None = None,
                          "not --prompt-file")
     if job.save_cache and not launched():
         check_target(job.save_cache)  # before the model loads (under a launcher: every rank, below)
-    lm, dist = load_for_run(job.model, job.dtype, repr(job))
+    lm, dist = load_for_run(job.model, job.dtype, repr(job), job.extra_eos)
     if job.adapter_path:
         apply_adapter(lm.model, job.adapter_path)
     layout = run_sharding(lm, dist.size, dist.rank)
@@ -123,6 +125,10 @@ def run_generate(job: GenerateJob, on_text: Callable[[str], None] | None = None,
             if policy.compresses and policy.start >= len(ids) + job.max_tokens:
                 note(f"KV stays full precision: --quantized-kv-start {policy.start} lies beyond "
                      f"prompt ({len(ids)}) + max tokens ({job.max_tokens})")
+        reused = len(ids) - len(feed) if cached is not None else 0
+        context = context_notice(lm.config, [reused + len(feed) + job.max_tokens]) if lm.config else None
+        if context:
+            note(context)
         req = Request(tuple(feed), job.max_tokens, str(i), job.stop)
         if compresses:
             bind(lm.model)  # loaded caches: make sure the model attends through kvcore

@@ -15,6 +15,7 @@ from .engine.memory import batch_need, default_kv_budget, model_bytes
 from .engine.prompt import encode_prompt
 from .engine.prompts_file import PromptSpec
 from .errors import MlxkvError
+from .models import context_notice
 from .distributed import load_for_run
 from .policy import resolve_policy
 from .policy.plan import plan_layers
@@ -32,19 +33,28 @@ def run_batch(job: GenerateJob, specs: list[PromptSpec], opts: BatchOptions,
     if job.max_tokens < 0:
         raise MlxkvError(f"--max-tokens must be >= 0, got {job.max_tokens}")
     policy = resolve_policy(job.kv)
-    lm, dist = load_for_run(job.model, job.dtype, repr((job, specs, opts)))
+    lm, dist = load_for_run(job.model, job.dtype, repr((job, specs, opts)), job.extra_eos)
     if job.adapter_path:
         apply_adapter(lm.model, job.adapter_path)
-    result = run_engine(lm, dist, job, specs, opts, policy, on_finish)
-    for n in result.notices if on_notice else ():
-        on_notice(n)
-    return result
+    return run_engine(lm, dist, job, specs, opts, policy, on_finish, on_notice=on_notice)
 
 
 def run_engine(lm, dist, job: GenerateJob, specs: list[PromptSpec], opts: BatchOptions, policy,
-               on_finish: Callable | None = None, decoder=None) -> RunResult:
-    """Requests through the Engine (plain, or with `decoder`'s speculative rounds)."""
+               on_finish: Callable | None = None, decoder=None,
+               on_notice: Callable[[str], None] | None = None) -> RunResult:
+    """Requests through the Engine (plain, or with `decoder`'s speculative rounds); notices go to
+    `on_notice` as they arise and into the result."""
+    notices: list[str] = []
+
+    def note(msg: str) -> None:
+        notices.append(msg)
+        if on_notice:
+            on_notice(msg)
+
     requests = build_requests(lm, job, specs)
+    context = context_notice(lm.config, [len(r.prompt_ids) + r.max_tokens for r in requests]) if lm.config else None
+    if context:
+        note(context)
     plan, budget, need = admission(lm, policy, opts, job.prefill_chunk)
     engine = Engine(lm.model, lm.tokenizer, policy, opts.batch_size, GenerateConfig(job.sampling, job.prefill_chunk),
                     kv_budget=budget, batch_need=need, on_finish=on_finish, decoder=decoder)
@@ -54,7 +64,9 @@ def run_engine(lm, dist, job: GenerateJob, specs: list[PromptSpec], opts: BatchO
     wall = time.perf_counter() - t0
     summary = batch_summary(lm, completions, engine, opts.batch_size, policy, plan, budget, wall,
                             engine.attention_stats.path, dist.size)
-    return RunResult(completions, summary, compression_notes(policy, requests, summary))
+    for n in compression_notes(policy, requests, summary):
+        note(n)
+    return RunResult(completions, summary, notices)
 
 
 def compression_notes(policy, requests: list[Request], summary: dict) -> list[str]:

@@ -17,19 +17,20 @@ from .spec.engine import SpeculativeDecode
 
 
 def run_speculative(job: GenerateJob, specs: list[PromptSpec], opts: BatchOptions, spec: SpecOptions,
-                    on_finish: Callable | None = None) -> RunResult:
+                    on_finish: Callable | None = None, on_notice: Callable[[str], None] | None = None) -> RunResult:
     if job.max_tokens < 0:
         raise MlxkvError(f"--max-tokens must be >= 0, got {job.max_tokens}")
     if job.save_cache or job.load_cache:
         raise MlxkvError("--save-cache and --load-cache are not supported with speculative decoding")
     policy = resolve_policy(job.kv)
-    lm, dist = load_for_run(job.model, job.dtype, repr((job, specs, opts, spec)))
+    lm, dist = load_for_run(job.model, job.dtype, repr((job, specs, opts, spec)), job.extra_eos)
     if job.adapter_path:
         apply_adapter(lm.model, job.adapter_path)  # the target's; a draft model runs without it
     if dist.size > 1:
         raise MlxkvError(f"speculative decoding runs on one rank; this launch has {dist.size} "
                          "(drop --draft or run without the launcher)")
     draft = draft_for_job(spec, job, lm)  # a mismatched draft fails before any work
-    result = run_engine(lm, dist, job, specs, opts, policy, on_finish, SpeculativeDecode(draft, spec.num_draft_tokens))
+    result = run_engine(lm, dist, job, specs, opts, policy, on_finish, SpeculativeDecode(draft, spec.num_draft_tokens),
+                        on_notice)
     result.summary["speculative"] = {**draft.describe(), **result.summary.pop("_decoder_stats", {})}
     return result

@@ -12,7 +12,7 @@ from kvcore.engine.constrain import ConstraintSpec
 from kvcore.adapters import check_adapter_folder
 from kvcore.codecs import BITS
 from kvcore.errors import MlxkvError
-from kvcore.models import context_notice, dtype_name, read_config
+from kvcore.models import dtype_name
 from kvcore.policy import KVOptions, resolve_policy
 from kvcore.run import GenerateJob, run_generate
 from kvcore.run_batch import BatchOptions, run_batch
@@ -48,6 +48,7 @@ def generate(
     repetition_context_size: Annotated[int, typer.Option(help="Tokens the repetition penalty looks back on.")] = 20,
     logprobs: Annotated[Optional[int], typer.Option(help="With --json: each token's log-probability and the top N (the model's distribution).")] = None,
     stop: Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable).")] = None,
+    extra_eos_token: Annotated[Optional[list[str]], typer.Option(help="Another token that ends a row (repeatable; mlx-lm's name).")] = None,
     json_schema: Annotated[Optional[str], typer.Option(help="Constrain the output to a JSON schema (a file or inline JSON).")] = None,
     regex: Annotated[Optional[str], typer.Option(help="Constrain the output to match this regex.")] = None,
     grammar: Annotated[Optional[Path], typer.Option(help="Constrain the output to a Lark grammar (file).")] = None,
@@ -82,7 +83,7 @@ def generate(
     job = GenerateJob(
         prompts=[],
         model=model, dtype=dtype, system=system_prompt, chat_template=not no_chat_template,
-        max_tokens=max_tokens, stop=tuple(stop or ()),
+        max_tokens=max_tokens, stop=tuple(stop or ()), extra_eos=tuple(extra_eos_token or ()),
         sampling=SamplingConfig(temp, top_p, min_p, seed, top_k, repetition_penalty, repetition_context_size, logprobs,
                                 constraint_flag(json_schema, regex, grammar)),
         kv=KVOptions(kv_bits, kv_group_size, quantized_kv_start, str(kv_config) if kv_config else None,
@@ -113,8 +114,6 @@ def generate(
         opts = BatchOptions(batch_size, parse_bytes(max_kv_bytes, "--max-kv-bytes") if max_kv_bytes else None)
         on_finish = output.json_completion if json_out else output.labelled_completion
         result = run_batch(job, specs, opts, on_finish=on_finish, on_notice=output.notice)
-        limits = {s.id: job.max_tokens if s.max_tokens is None else s.max_tokens for s in specs}
-        _context_note(model, [c.prompt_tokens + limits.get(c.id, job.max_tokens) for c in result.completions])
         if json_out:
             output.json_line(result.summary)
         else:
@@ -122,8 +121,6 @@ def generate(
         return
     job.prompts = [specs[0].prompt]
     result = run_generate(job, on_text=None if json_out else output.stream_text, on_notice=output.notice)
-    reused = result.summary["kv_policy"].get("reused_tokens") or 0
-    _context_note(model, [reused + c.prompt_tokens + job.max_tokens for c in result.completions])
     if json_out:
         for c in result.completions:
             output.json_line(c.to_json())
@@ -152,11 +149,3 @@ def check_draft_flags(draft: str | None, draft_model: str | None, draft_kv_bits:
         if draft_kv_bits not in (0, *BITS):
             raise MlxkvError(f"--draft-kv-bits must be 0 (full precision) or one of {', '.join(map(str, BITS))}, "
                              f"got {draft_kv_bits}")
-
-
-def _context_note(model: str | None, lengths: list[int]) -> None:
-    """Once per run: rows that ran past the model's trained context (GGUF files: not checked)."""
-    config = read_config(model)
-    notice = context_notice(config, lengths) if config is not None else None
-    if notice:
-        output.notice(notice)

@@ -27,9 +27,7 @@ def speculative(job: GenerateJob, specs: list, opts: BatchOptions, draft: str | 
         on_finish = output.json_completion
     else:
         on_finish = (lambda c: output.stream_text(c.text + "\n")) if single else output.labelled_completion
-    result = run_speculative(job, specs, opts, spec, on_finish=on_finish)
-    for n in result.notices:
-        output.notice(n)
+    result = run_speculative(job, specs, opts, spec, on_finish=on_finish, on_notice=output.notice)
     s = result.summary
     if json_out:
         output.json_line(s)

@@ -127,3 +127,13 @@ def test_extra_eos_tokens_stop_a_row():
     assert c.finish_reason == "eos" and c.eos_token in (lily, 13) and len(c.token_ids) < 40
     with pytest.raises(MlxkvError, match="--extra-eos-token 'no-such-token' is not a token of this tokenizer"):
         load_model(None, None, ("no-such-token",))
+
+
+def test_extra_eos_token_ends_rows_alone_and_batched():
+    """--extra-eos-token (mlx-lm's flag): '.' ends the embedded model's sentences, one row or several."""
+    import json as _json
+
+    for args in (["Once upon a time"], ["-p", "Once upon a time", "-p", "Tom and"]):
+        r = run("generate", *args, "-n", "60", "--json", "--extra-eos-token", ".")
+        rows = [o for o in map(_json.loads, r.stdout.splitlines()) if o["type"] == "completion"]
+        assert rows and all(o["finish_reason"] == "eos" and "." not in o["text"] for o in rows), r.stdout
