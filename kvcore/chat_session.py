@@ -19,6 +19,7 @@ from .engine import Completion, Request, SamplingConfig, Sequence, kv_summary
 from .engine.chat import conversation, held_ids, load_conversation, render, save_conversation, turn_delta
 from .engine.forward import DEFAULT_PREFILL_CHUNK, cache_offset, prefill
 from .engine.generate import _row_sampler, decode_tokens
+from .engine.prompt import encode_continuation
 from .engine.reuse import reuse_prefix
 from .errors import MlxkvError
 from .policy import KVPolicy, build_caches
@@ -62,7 +63,8 @@ class ChatSession:
     def context_for(self, text: str) -> list[int]:
         """The whole context a new user turn `text` makes."""
         if self.messages is None:
-            return self.ids + (turn_delta(self.lm.tokenizer, self.ids, text) or [])
+            delta = turn_delta(self.lm.tokenizer, self.ids, text)
+            return self.ids + (delta if delta is not None else encode_continuation(self.lm.tokenizer, text, chat=True))
         return render(self.lm.tokenizer, self.messages + [{"role": "user", "content": text}])
 
     def ask(self, text: str, on_text: Callable[[str], None] | None = None, max_tokens: int | None = None) -> Turn:

@@ -94,6 +94,7 @@ def test_save_and_load_keep_the_conversation(lm, tmp_path):
     a.ask(QUESTIONS[0])
     path = tmp_path / "chat.kv"
     a.save(path)
+    saved = list(a.ids)
     assert json.loads(conversation_path(path).read_text())["messages"] == a.messages
     b = ChatSession(lm, resolve_policy(KVOptions()), max_tokens=N, prefill_chunk=8)
     b.load(path)
@@ -102,6 +103,16 @@ def test_save_and_load_keep_the_conversation(lm, tmp_path):
     assert ta.completion.token_ids == tb.completion.token_ids and ta.reused == tb.reused
     b.reset()
     assert b.ids == [] and b.stats()["tokens"] == 0
+    # a cache without its conversation file: new turns follow its tokens, closing the answer first
+    conversation_path(path).unlink()
+    notes = []
+    c = ChatSession(lm, resolve_policy(KVOptions()), max_tokens=N, prefill_chunk=8, on_notice=notes.append)
+    c.load(path)
+    assert c.messages is None and "no conversation beside it" in notes[0]
+    turn = c.ask("Who?")
+    assert turn.reused == len(saved)  # all the cached tokens kept
+    fed = lm.tokenizer.decode(c.ids)
+    assert fed.count("system") == 1 and fed.count("<|im_start|>user") == 2
     with pytest.raises(MlxkvError, match="nothing to save"):
         b.save(tmp_path / "empty.kv")
 

@@ -55,17 +55,17 @@ def test_sampled_outputs_that_end_validate(embedded):
     validates; outputs cut by the length limit are counted apart (and are prefixes)."""
     lm = embedded
     engine = Engine(lm.model, lm.tokenizer, FULL, 16, GenerateConfig(prefill_chunk=16))
-    reqs = [Request(tuple(lm.tokenizer.encode(ROW_PROMPTS[i % 4])), 48, str(i),
-                    sampling=SamplingConfig(temp=1.0, seed=i, constraint=JSON)) for i in range(32)]
+    reqs = [Request(tuple(lm.tokenizer.encode(ROW_PROMPTS[i % 4])), 40, str(i),
+                    sampling=SamplingConfig(temp=1.0, seed=i, constraint=JSON)) for i in range(16)]
     out = engine.run(reqs)
     ended = [c for c in out if c.finish_reason == "eos"]
     cut = [c for c in out if c.finish_reason == "length"]
-    assert len(ended) + len(cut) == len(out) and len(ended) >= 24, [(c.finish_reason, c.text) for c in out]
+    assert len(ended) + len(cut) == len(out) and len(ended) >= 12, [(c.finish_reason, c.text) for c in out]
     assert all(valid(c.text) for c in ended), [c.text for c in ended if not valid(c.text)]
-    assert len({c.text for c in ended}) > 8  # really sampled
+    assert len({c.text for c in ended}) > 6  # really sampled
     # negative control: unconstrained, the same rows are not JSON
     engine = Engine(lm.model, lm.tokenizer, FULL, 16, GenerateConfig(prefill_chunk=16))
-    free = engine.run([Request(r.prompt_ids, 48, r.id, sampling=SamplingConfig(temp=1.0, seed=int(r.id))) for r in reqs])
+    free = engine.run([Request(r.prompt_ids, 40, r.id, sampling=SamplingConfig(temp=1.0, seed=int(r.id))) for r in reqs[:8]])
     assert not any(valid(c.text) for c in free)
 
 
