@@ -170,7 +170,7 @@ def test_generate_chat_continue_is_the_whole_conversation(chat_model, tmp_path):
 @pytest.mark.skipif(not SMOL.is_dir(), reason=f"{SMOL} absent (run scripts/get-eval-model)")
 def test_smollm2_answers_the_second_question():
     lm = load_model(str(SMOL))
-    session = ChatSession(lm, resolve_policy(KVOptions(kv_bits=8, kv_group_size=64, quantized_kv_start=0)),
+    session = ChatSession(lm, resolve_policy(KVOptions(kv_bits=8, kv_group_size=32, quantized_kv_start=0)),
                           max_tokens=24)
     first = session.ask("What is the capital of France? Answer in one word.")
     second = session.ask("And the capital of Germany? Answer in one word.")
