@@ -98,7 +98,7 @@ def test_written_file_round_trips_through_kv_config(llama, at_4_bits, tmp_path):
     config = load_kv_file(out)
     for i, k, v in config.layers:
         assert (plan[i]["codec"], plan[i]["bits"], plan[i]["value"]["bits"]) == (k.name, k.bits, v.bits)
-        assert plan[i]["recent"] == config.recent
+        assert plan[i]["recent"] == dict(config.recents).get(i, 0)
         assert chosen[i].startswith(k.name)
     for i in set(chosen) - {i for i, _, _ in config.layers}:
         assert chosen[i] == "full" and plan[i]["codec"] == "full"

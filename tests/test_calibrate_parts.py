@@ -62,16 +62,21 @@ def test_config_entries_keep_optiqs_format_for_plain_affine():
     assert split == [{"layer_idx": 3, "codec": "turbo", "key_bits": 5, "value_bits": 3, "recent": 16}]
     policy = config_policy(split)
     assert policy.codec_for(3) == CodecSpec("turbo", 5) and policy.value_codec_for(3) == CodecSpec("turbo", 3)
-    assert policy.recent == 16 and policy.codec_for(0) == CodecSpec("full")
+    assert policy.recent_for(3) == 16 and policy.codec_for(0) == CodecSpec("full")
 
 
-def test_kv_config_recent_is_one_window():
-    assert parse_kv_file([{"layer_idx": 0, "bits": 4}]).recent == 0
-    assert parse_kv_file([{"layer_idx": 0, "bits": 4, "recent": 8}, {"layer_idx": 1, "bits": 8, "recent": 8}]).recent == 8
-    with pytest.raises(MlxkvError, match="entry 0 keeps recent 8 and entry 1 recent 0"):
-        parse_kv_file([{"layer_idx": 0, "bits": 4, "recent": 8}, {"layer_idx": 1, "bits": 8}])
+def test_kv_config_recent_per_layer(tmp_path):
+    assert parse_kv_file([{"layer_idx": 0, "bits": 4}]).recents == ()
+    cfg = parse_kv_file([{"layer_idx": 2, "bits": 4, "recent": 8}, {"layer_idx": 1, "bits": 8}])
+    assert cfg.recents == ((2, 8),)
     with pytest.raises(MlxkvError, match="recent must be an integer"):
         parse_kv_file(json.loads('[{"layer_idx": 0, "bits": 4, "recent": "16"}]'))
+    with pytest.raises(MlxkvError, match="recent -1 is negative"):
+        parse_kv_file([{"layer_idx": 0, "bits": 4, "recent": -1}])
+    entries = config_entries({0: LayerOption(CodecSpec("turbo", 4), CodecSpec("turbo", 4), 16),
+                              1: LayerOption(CodecSpec("turbo", 3), CodecSpec("turbo", 3), 0)})
+    policy = config_policy(entries)
+    assert (policy.recent_for(0), policy.recent_for(1), policy.recent_for(5)) == (16, 0, 0)
 
 
 @pytest.mark.parametrize("spec,recent", [(CodecSpec("turbo", 4), 0), (CodecSpec("turbo", 4), 5),

@@ -34,7 +34,7 @@ def row_bytes(shapes: list[LayerShape], policy: KVPolicy, tokens: int, dtype_siz
             continue
         keep = policy.keep if s.window is None and policy.max_kv_size else 0
         t = stored_tokens(s, policy, tokens)
-        total += layer_bytes(s, policy.codec_for(i), policy.value_codec_for(i), t, dtype_size, policy.recent, keep)
+        total += layer_bytes(s, policy.codec_for(i), policy.value_codec_for(i), t, dtype_size, policy.recent_for(i), keep)
     return total
 
 

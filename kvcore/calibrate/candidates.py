@@ -7,9 +7,9 @@ affine:4/g32/g64  one width, groups 32 and 64
 turbo:2..8        rotation codec; with --kv-bits split, keys and values take their widths apart
 /r16              every compressed option may also keep the 16 newest tokens full precision
 ```
-Keys and values of one layer share a codec and a group (one kv_config entry names one codec);
+Keys and values of one layer share a codec, a group and a recent window (one kv_config entry);
 their widths are chosen apart unless `split` is off (`--optiq-compatible`: optiq's format holds
-one `bits` per layer, affine only, no recent window).
+one `bits` per layer, affine only, no recent window). Each layer takes its own recent window.
 """
 
 from __future__ import annotations

@@ -12,7 +12,6 @@ import json
 import tempfile
 from pathlib import Path
 
-from ..errors import MlxkvError
 from ..policy import KVOptions, KVPolicy, resolve_policy
 from .candidates import LayerOption
 
@@ -37,8 +36,6 @@ def entry(layer: int, o: LayerOption) -> dict | None:
 
 
 def config_entries(choices: dict[int, LayerOption]) -> list[dict]:
-    if len({o.recent for o in choices.values() if o.compresses}) > 1:
-        raise MlxkvError("internal: a kv_config holds one recent window for every layer")
     return [e for i in sorted(choices) if (e := entry(i, choices[i])) is not None]
 
 

@@ -85,17 +85,27 @@ class LayerProxy:
             self._visible[key] = encoded_visible(self.positions, self.T, block, recent) & self.mask
         return self._visible[key]
 
-    def key_error(self, spec: CodecSpec, recent: int) -> mx.array:
+    def key_errors(self, spec: CodecSpec, recents) -> list[mx.array]:
+        """Output errors (Hkv, rep, P, Dv) of keys under `spec`, one per recent window (one encoding)."""
         k_hat, bt = roundtrip(spec, self.cap.k)
-        enc = self.visible(bt, recent)
-        s = mx.where(enc, self._scores(k_hat), self.scores)
-        a = mx.softmax(mx.where(self.mask, s, NEG), axis=-1)
-        return a @ self.cap.v[:, None] - self.out
+        s_hat = self._scores(k_hat)
+        out = []
+        for r in recents:
+            s = mx.where(self.visible(bt, r), s_hat, self.scores)
+            a = mx.softmax(mx.where(self.mask, s, NEG), axis=-1)
+            out.append(a @ self.cap.v[:, None] - self.out)
+        return out
+
+    def value_errors(self, spec: CodecSpec, recents) -> list[mx.array]:
+        v_hat, bt = roundtrip(spec, self.cap.v)
+        dv = (v_hat - self.cap.v)[:, None]
+        return [mx.where(self.visible(bt, r), self.attn, 0.0) @ dv for r in recents]
+
+    def key_error(self, spec: CodecSpec, recent: int) -> mx.array:
+        return self.key_errors(spec, (recent,))[0]
 
     def value_error(self, spec: CodecSpec, recent: int) -> mx.array:
-        v_hat, bt = roundtrip(spec, self.cap.v)
-        enc = self.visible(bt, recent)
-        return mx.where(enc, self.attn, 0.0) @ (v_hat - self.cap.v)[:, None]
+        return self.value_errors(spec, (recent,))[0]
 
     def score(self, d: mx.array) -> Score:
         rel = float((d * d).sum()) / max(self._norm, 1e-30)

@@ -4,8 +4,8 @@
    backward passes (output gradients), `capture.py`;
 2. sensitivities: every layer's predicted KL for each candidate key and value codec and
    recent window (`proxy.py`, `scores.py`), averaged over windows;
-3. choice: a knapsack over layers per recent window (`solve.py`); alternatives shift bits between
-   keys and values (their predictions weighted x2 and x1/2) and try the other windows;
+3. choice: a knapsack over layers (`solve.py`), each layer taking its own recent window, or one window
+   for all; alternatives shift bits between keys and values (their predictions weighted x2 and x1/2);
 4. checks: the first `checks` distinct configs and the best-predicted uniform scheme are measured
    end to end on the calibration windows through their real caches; the best measured is chosen;
 5. held-out: the chosen config and the uniform one on text not used to choose (`holdout`, by
@@ -125,15 +125,17 @@ class _Steps:
 
 def _solutions(cands: CandidateSet, scores: dict[int, LayerScores], shapes, tokens: int, budget: int,
                dtype_bytes: int, checks: int) -> list[Check]:
-    """Distinct knapsack solutions, best predicted first: each recent window that fits, and the keys'
-    or the values' predictions weighted x2 (shifting bits between them where the proxy is off)."""
+    """Distinct knapsack solutions, best predicted first: each layer choosing its own recent window, and
+    one recent window for all; each with the keys' or the values' predictions weighted x2 as well
+    (shifting bits between them where the proxy is off)."""
     layers = sorted(scores)
     out: dict[tuple, Check] = {}
     error = None
-    for r in cands.recents:
-        opts = cands.options(r)
+    mixed = list(dict.fromkeys(o for r in cands.recents for o in cands.options(r)))
+    groups = [("", mixed)] + ([(f" /r{r}", cands.options(r)) for r in cands.recents] if len(cands.recents) > 1 else [])
+    for tag, opts in groups:
         nbytes = {i: [option_bytes(shapes[i], o, tokens, dtype_bytes) for o in opts] for i in layers}
-        for kw, vw, tag in ((1.0, 1.0, ""), (2.0, 0.5, ", keys x2"), (0.5, 2.0, ", values x2")):
+        for kw, vw, weight in ((1.0, 1.0, ""), (2.0, 0.5, ", keys x2"), (0.5, 2.0, ", values x2")):
             items = [[Item(scores[i].cost(o, kw, vw), b, o) for o, b in zip(opts, nbytes[i])] for i in layers]
             try:
                 picked = solve(items, budget)
@@ -144,8 +146,7 @@ def _solutions(cands: CandidateSet, scores: dict[int, LayerScores], shapes, toke
             sig = tuple(sorted(choices.items(), key=lambda x: x[0]))
             if sig not in out:
                 pred = sum(scores[i].cost(o) for i, o in choices.items())
-                out[sig] = Check(f"knapsack /r{r}{tag}" if r else f"knapsack{tag}", choices, pred,
-                                 sum(it.nbytes for it in picked))
+                out[sig] = Check(f"knapsack{tag}{weight}", choices, pred, sum(it.nbytes for it in picked))
     if not out:
         raise error
     return sorted(out.values(), key=lambda c: c.predicted)[:checks]

@@ -40,10 +40,11 @@ def score_window(w: WindowCapture, specs: list[CodecSpec], recents: tuple[int, .
     for i in sorted(w.layers):
         p = LayerProxy(w.layers[i], w.positions)
         s = LayerScores()
-        for r in recents:
-            for spec in specs:
-                s.key[(spec, r)] = p.score(p.key_error(spec, r))
-                s.value[(spec, r)] = p.score(p.value_error(spec, r))
+        for spec in specs:
+            for r, d in zip(recents, p.key_errors(spec, recents)):
+                s.key[(spec, r)] = p.score(d)
+            for r, d in zip(recents, p.value_errors(spec, recents)):
+                s.value[(spec, r)] = p.score(d)
         out[i] = s
         del p
         mx.clear_cache()

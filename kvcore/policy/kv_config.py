@@ -5,8 +5,7 @@ unlisted layers stay full precision. Unknown extra keys are ignored so optiq's f
 read unchanged. mlxkv's extra fields (what `mlxkv calibrate` writes beside optiq's three):
 - "codec": a codec other than affine (`turbo`, ...);
 - "key_bits" / "value_bits": keys and values at their own widths ("bits" is then optional);
-- "recent": the N newest tokens stay full precision (as `--kv .../rN`); one window for the
-  whole config, so every listed entry gives the same N (or none, meaning 0).
+- "recent": the layer's N newest tokens stay full precision (as `--kv .../rN`; default 0).
 `{"layer_idx": 3, "codec": "turbo", "key_bits": 4, "value_bits": 3, "recent": 16}`.
 """
 
@@ -34,10 +33,10 @@ Layers = tuple[tuple[int, CodecSpec, CodecSpec], ...]  # (layer_idx, key codec, 
 
 @dataclass(frozen=True)
 class KvConfig:
-    """A whole kv_config file: its layers and the recent window they share."""
+    """A whole kv_config file: its layers and their recent windows (layers without one: 0)."""
 
     layers: Layers
-    recent: int = 0
+    recents: tuple[tuple[int, int], ...] = ()  # (layer_idx, recent) where recent > 0
 
 
 def parse_kv_config(data, source: str = "kv_config") -> tuple[tuple[int, CodecSpec], ...]:
@@ -88,17 +87,14 @@ def parse_kv_layers(data, source: str = "kv_config") -> Layers:
 
 def parse_kv_file(data, source: str = "kv_config") -> KvConfig:
     layers = parse_kv_layers(data, source)
-    recents = {}
+    recents = []
     for n, entry in enumerate(data):
         r = _int(n, "recent", entry.get("recent", 0))
         if r < 0:
             raise MlxkvError(f"{source} entry {n}: recent {r} is negative")
-        recents.setdefault(r, n)
-    if len(recents) > 1:
-        (a, na), (b, nb) = sorted(recents.items(), key=lambda x: x[1])[:2]
-        raise MlxkvError(f"{source}: entry {na} keeps recent {a} and entry {nb} recent {b}: one recent window "
-                         f"serves every listed layer")
-    return KvConfig(layers, next(iter(recents), 0))
+        if r:
+            recents.append((entry["layer_idx"], r))
+    return KvConfig(layers, tuple(sorted(recents)))
 
 
 def load_kv_config(path: str | Path) -> tuple[tuple[int, CodecSpec], ...]:

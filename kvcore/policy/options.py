@@ -39,11 +39,11 @@ def _scheme(o: KVOptions, prof: dict) -> KvScheme | None:
     return None
 
 
-def _layers(path: str) -> tuple[tuple, tuple | None, int]:
-    """(layer_codecs, layer_value_codecs or None, recent window) of a kv_config file."""
+def _layers(path: str) -> tuple[tuple, tuple | None, tuple | None]:
+    """(layer_codecs, layer_value_codecs or None, layer recent windows or None) of a kv_config file."""
     config = load_kv_file(path)
     values = tuple((i, v) for i, k, v in config.layers if v != k)
-    return tuple((i, k) for i, k, _ in config.layers), values or None, config.recent
+    return tuple((i, k) for i, k, _ in config.layers), values or None, config.recents or None
 
 
 def resolve_policy(o: KVOptions) -> KVPolicy:
@@ -53,12 +53,12 @@ def resolve_policy(o: KVOptions) -> KVPolicy:
     keep = o.keep if o.keep is not None else prof.get("keep", 4)
     scheme = _scheme(o, prof)
     if scheme is not None:  # compresses from the first token unless a start is given
-        layer_codecs, layer_values, recent = _layers(scheme.config) if scheme.config else (None, None, scheme.recent)
+        layer_codecs, layer_values, recents = _layers(scheme.config) if scheme.config else (None, None, None)
         start = o.quantized_kv_start if o.quantized_kv_start is not None else prof.get("start", 0)
         values = scheme.value if scheme.value != scheme.key else None
         source = "kv_config" if layer_codecs is not None else "flags" if o.kv is not None else "profile"
         return KVPolicy(scheme.key, start, window, keep, layer_codecs, source, value_codec=values,
-                        layer_value_codecs=layer_values, recent=recent)
+                        layer_value_codecs=layer_values, recent=scheme.recent, layer_recent=recents)
     name = prof.get("codec", "affine" if prof.get("bits") is not None else "full")
     bits = o.kv_bits if o.kv_bits is not None else prof.get("bits")
     if name != "full" and bits is None:
@@ -69,9 +69,10 @@ def resolve_policy(o: KVOptions) -> KVPolicy:
         name = "affine"
     group = group if name in GROUPED else None
     codec = CodecSpec(name, bits, group) if bits is not None and name != "full" else FULL
-    layer_codecs, layer_values, recent = _layers(kv_config) if kv_config else (None, None, 0)
+    layer_codecs, layer_values, recents = _layers(kv_config) if kv_config else (None, None, None)
     start = o.quantized_kv_start if o.quantized_kv_start is not None else prof.get("start")
     if start is None:
         start = 0 if layer_codecs is not None else MLX_LM_DEFAULT_START
     source = "kv_config" if layer_codecs is not None else ("profile" if prof else "flags")
-    return KVPolicy(codec, start, window, keep, layer_codecs, source, layer_value_codecs=layer_values, recent=recent)
+    return KVPolicy(codec, start, window, keep, layer_codecs, source, layer_value_codecs=layer_values,
+                    layer_recent=recents)

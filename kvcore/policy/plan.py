@@ -34,6 +34,7 @@ class KVPolicy:
     value_codec: CodecSpec | None = None
     layer_value_codecs: tuple[tuple[int, CodecSpec], ...] | None = None
     recent: int = 0  # most recent tokens kept full precision in compressed layers
+    layer_recent: tuple[tuple[int, int], ...] | None = None  # per layer (a kv_config's "recent"), else `recent`
 
     def __post_init__(self):
         if self.codec.compresses:
@@ -45,8 +46,9 @@ class KVPolicy:
                 raise MlxkvError(f"--kv-group-size must be one of {list(GROUPS)}, got {self.codec.group_size}")
         for spec in {self.codec, self.value_codec or FULL, *dict(self.layer_value_codecs or ()).values()}:
             _check_spec(spec)
-        if self.recent < 0:
-            raise MlxkvError(f"recent tokens must be >= 0, got {self.recent}")
+        for r in (self.recent, *dict(self.layer_recent or ()).values()):
+            if r < 0:
+                raise MlxkvError(f"recent tokens must be >= 0, got {r}")
         if self.start < 0:
             raise MlxkvError(f"--quantized-kv-start must be >= 0, got {self.start}")
         if self.keep < 0:
@@ -76,6 +78,10 @@ class KVPolicy:
         if self.layer_codecs is not None:
             return dict(self.layer_value_codecs or ()).get(layer, self.codec_for(layer))
         return self.value_codec or self.codec
+
+    def recent_for(self, layer: int) -> int:
+        """Newest tokens layer `layer` keeps full precision (when it compresses)."""
+        return dict(self.layer_recent or ()).get(layer, self.recent)
 
     def label(self) -> str:
         """The `--kv` value this policy stands for (`per-layer` for a kv_config)."""
@@ -172,7 +178,7 @@ def plan_layers(model: nn.Module, policy: KVPolicy) -> list[LayerPlan]:
         codec, values = policy.codec_for(i), policy.value_codec_for(i)
         on = codec.compresses or values.compresses
         plans.append(LayerPlan(i, kind, codec, policy.start if on else None, window, keep,
-                               values if values != codec else None, policy.recent if on else 0))
+                               values if values != codec else None, policy.recent_for(i) if on else 0))
     return plans
 
 

@@ -156,7 +156,7 @@ def convert_cache_file(src: str | Path, dst: str | Path, policy: KVPolicy) -> Co
             continue
         if _precision(spec) > _precision(_stored_spec(e)) and _stored_spec(e) is not None:
             raised.append(i)
-        out.append(_rebuild(i, e, parts, spec, policy.value_codec_for(i), policy.recent))
+        out.append(_rebuild(i, e, parts, spec, policy.value_codec_for(i), policy.recent_for(i)))
         mx.eval(out[-1].state)
         del parts
     notices = []
