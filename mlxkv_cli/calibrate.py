@@ -71,7 +71,7 @@ def calibrate(
     memory: Annotated[Optional[str], typer.Option(help="Budget: memory for the weights and --batch rows of --context tokens, e.g. 8GB.")] = None,
     context: Annotated[Optional[int], typer.Option(help="Tokens per row the budget is for.")] = None,
     batch: Annotated[int, typer.Option(help="Rows (with --memory).")] = 1,
-    kv: Annotated[Optional[str], typer.Option("--kv", help="Candidates: full, CODEC:LO..HI[/gG...], /rN, comma-separated. Default: full,affine:2..8,turbo:2..8,/r16.")] = None,
+    kv: Annotated[Optional[str], typer.Option("--kv", help="Candidates: full, CODEC:LO..HI[/gG...], /rN, comma-separated. Default: full,affine:2..8,turbo:2..8,/r8,/r16,/r32.")] = None,
     optiq_compatible: Annotated[bool, typer.Option("--optiq-compatible", help="Only what optiq's kv_config expresses: affine, one bits and group per layer, no recent window.")] = False,
     holdout: Annotated[Optional[list[Path]], typer.Option("--holdout", help="Held-out text for the final check (repeatable; default: the sample shipped with mlxkv).")] = None,
     report: Annotated[Optional[Path], typer.Option("--report", help="Write the JSON report here (atomic).")] = None,

@@ -21,7 +21,7 @@ from ..codecs import FULL, CodecSpec, codec_names, make_codec
 from ..errors import MlxkvError
 from ..policy.kv_spec import DEFAULT_GROUP, GROUPED, kv_label
 
-DEFAULT = "full,affine:2..8,turbo:2..8,/r16"
+DEFAULT = "full,affine:2..8,turbo:2..8,/r8,/r16,/r32"
 OPTIQ_DEFAULT = "full,affine:2..8/g32/g64/g128"
 _ITEM = re.compile(r"^([a-z][a-z0-9_-]*):(\d+)(?:\.\.(\d+))?((?:/[gr]\d+)*)$")
 _RECENT = re.compile(r"^/r(\d+)$")
