@@ -14,10 +14,17 @@ logits       (chunk, vocab) float32 where the run needs every position's (fideli
 `plan_prefill` picks, for a memory budget, the largest prefill chunk (mlx-lm's 2048 at most)
 whose transient fits beside the weights and the KV at the final context, and the scratch
 budget the attention may use; `kvcore.cache.bytes` counts the KV side.
+
+A lazy graph alone does not make the peak one layer's: MLX's graph walk runs ahead of the
+device, and what it has handed over stays allocated until done (CUDA: up to 10 committed
+command graphs keep every input alive, on an H200 up to 100 ops or 1 GB each; CPU: 10 tasks).
+`memory_limit(plan)` sets MLX's memory limit to the plan's peak for the run: past it, the walk
+waits for in-flight work before allocating more, so run-ahead never stacks layers' scratches.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import mlx.core as mx
@@ -103,9 +110,10 @@ def layer_transient(config: dict, policy, context: int, chunk: int, dtype_size: 
         encoded = policy.compresses and (kc or vc) and context >= (policy.start or 0)
         bt = (kc or vc).block_tokens if encoded else 1
         multi = bool(window) or policy.recent > 0 or bt > 1
+        shadow = min(n + policy.recent, T) if encoded and (policy.recent or bt > 1) else 0  # read two ways
         factor = max(workspace_factor(kc, dtype), workspace_factor(vc, dtype)) if encoded else 0.0
-        shape = CallShape(1, heads, s.kv_heads, s.head_dim, s.head_dim, n, T,
-                          "array" if window or (encoded and (policy.recent or bt > 1)) else "causal",
+        shape = CallShape(1, heads, s.kv_heads, s.head_dim, s.head_dim, n, T + shadow,
+                          "array" if window or shadow else "causal",
                           in_place=not encoded and not window, segments=3 if multi else 1,
                           encoded=max(0, T - policy.recent) if encoded else 0, factor=factor)
         plan = plan_call(shape, dtype, limit)
@@ -119,7 +127,7 @@ def layer_transient(config: dict, policy, context: int, chunk: int, dtype_size: 
     vocab = c.get("vocab_size", 0)
     # MLX's CPU stream runs up to 10 tasks behind the graph walk: the next layer's decode can be
     # allocated before this layer's attention tasks have freed theirs (GPU streams free in order)
-    ahead = worst.scratch + worst.workspace if backend_name() == "cpu" else 0
+    ahead = worst.scratch + worst.workspace if backend_name() == "cpu" and group else 0
     return LayerTransient(worst, activation_bytes(config, n, dtype_size), update,
                           3 * n * vocab * 4 if logits else 0, group, ahead)
 
@@ -173,3 +181,29 @@ def plan_prefill(config: dict, policy, context: int, weights: int, kv: int, budg
         return fallback
     raise MlxkvError(f"a {context}-token prefill does not fit {budget / 1e9:.2f} GB: weights {weights / 1e9:.2f} GB "
                      f"+ KV {kv / 1e9:.2f} GB leave {max(left, 0) / 1e9:.3f} GB for one layer's transient")
+
+
+@contextmanager
+def memory_limit(plan: PrefillPlan | int):
+    """MLX's memory limit at `plan`'s peak (or that many bytes) inside the block, restored after:
+    the graph walk waits for in-flight work whenever active memory is over it."""
+    limit = plan.peak if isinstance(plan, PrefillPlan) else int(plan)
+    old = mx.set_memory_limit(limit)
+    try:
+        yield limit
+    finally:
+        mx.set_memory_limit(old)
+
+
+def plan_for_model(model, config: dict, policy, context: int, budget: int | None = None,
+                   attention: AttentionConfig = DEFAULT_ATTENTION, logits: bool = False) -> PrefillPlan:
+    """`plan_prefill` for a loaded model: its weight bytes and dtype, and the KV its caches will
+    allocate at `context` tokens under `policy` (kvcore.cache.bytes)."""
+    from .cache.bytes import KVByteModel
+    from .engine.memory import dtype_size, model_bytes
+    from .policy.plan import plan_layers
+
+    size = dtype_size(model)
+    kv = KVByteModel(config, plan_layers(model, policy), size, policy.rollback or 0, mlxkv=policy.active,
+                     chunk=DEFAULT_PREFILL_CHUNK).row_alloc(context)
+    return plan_prefill(config, policy, context, model_bytes(model), kv, budget, size, attention, logits=logits)

@@ -103,9 +103,9 @@ def test_query_groups_under_a_small_budget_equal_one_call(case):
     view, _ = cache.update_and_fetch(k[:, :, 384:], v[:, :, 384:])
     whole = plan_call(CallShape.of((B, HQ, 256), mx.float32, view, sinks), mx.float32, 1 << 40)
     assert whole.group == 256
-    limit = whole.bytes.total - whole.bytes.scores * 3 // 4  # room for about a quarter of the queries
+    limit = whole.bytes.total - whole.bytes.scores // 2  # room for half the queries' scores (groups in flight)
     grouped = plan_call(CallShape.of((B, HQ, 256), mx.float32, view, sinks), mx.float32, limit)
-    assert grouped is not None and 32 <= grouped.group < 256 and grouped.bytes.total <= limit
+    assert grouped is not None and 8 <= grouped.group < 256 and grouped.bytes.total <= limit
     small = _run(case, (384, 256), AttentionConfig(scratch_bytes=limit))[0]
     big, _stats = _run(case, (384, 256), AttentionConfig(), check=False)
     assert mx.allclose(small, big, atol=3e-5, rtol=1e-4).item()

@@ -71,7 +71,7 @@ def plan_call(shape: CallShape, dtype: mx.Dtype, limit: int) -> CallPlan | None:
     q_bytes = shape.batch * shape.q_heads * n * shape.head_dim * dtype.size
     out_bytes = shape.batch * shape.q_heads * n * shape.value_dim * dtype.size
     mask_row = T * _mask_dtype(dtype).size if shape.mask == "array" else 0
-    other_row = 2 * T if shape.mask == "array" else 0  # the band's bool working rows
+    other_row = 3 * T if shape.mask == "array" else 0  # the band's bool working rows (measured 2.7)
     if sdpa_materializes_scores(dtype, shape.head_dim, shape.value_dim, n):
         other_row += (shape.batch * shape.q_heads * T * dtype.size * score_copies(shape.sinks)
                       + (T if shape.mask == "causal" else 0))  # and the bool mask it builds for causal
