@@ -12,6 +12,7 @@ from kvcore.attention import kv_attention
 from kvcore.attention.config import AttentionConfig
 from kvcore.attention.prefill import plan_call
 from kvcore.attention.scratch import CallShape
+from kvcore.backend import backend_name
 from kvcore.cache import CompressedKVCache
 from kvcore.cache.bytes import KVByteModel
 from kvcore.codecs import CodecSpec
@@ -19,6 +20,10 @@ from kvcore.engine.forward import prefill
 from kvcore.policy import KVPolicy, build_caches
 from kvcore.policy.plan import plan_layers
 from kvcore.transient import plan_prefill
+
+# the planned factors (decode workspace, unfused SDPA scores, run-ahead) were measured against MLX's
+# CPU allocator; on a GPU, scripts/gpu_bench.py holds the measured peak against the plan
+pytestmark = pytest.mark.skipif(backend_name() != "cpu", reason="bounds measured on MLX's CPU backend")
 
 A4, T4, T3 = CodecSpec("affine", 4, 64), CodecSpec("turbo", 4), CodecSpec("turbo", 3)
 CALLS = {
