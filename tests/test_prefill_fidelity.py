@@ -6,7 +6,12 @@ import pytest
 from mlx_lm import load
 
 from kvcore.codecs import CodecSpec
-from kvcore.fidelity import teacher_forced_chunk, teacher_forced_logprobs, teacher_forced_stats, token_stats
+from kvcore.fidelity import (
+    teacher_forced_chunk,
+    teacher_forced_logprobs,
+    teacher_forced_stats,
+    token_stats,
+)
 from kvcore.policy import KVPolicy, build_caches
 
 
