@@ -12,8 +12,8 @@ from .errors import MlxkvError
 from .policy import resolve_policy
 from .run import GenerateJob, RunResult
 from .run_batch import BatchOptions, run_engine
-from .spec import SpecOptions, draft_for_job
-from .spec.engine import SpeculativeDecode
+from .speculative import SpecOptions, draft_for_job
+from .speculative.engine import SpeculativeDecode
 
 
 def run_speculative(job: GenerateJob, specs: list[PromptSpec], opts: BatchOptions, spec: SpecOptions,

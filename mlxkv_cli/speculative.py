@@ -9,7 +9,7 @@ import typer
 from kvcore.run import GenerateJob
 from kvcore.run_batch import BatchOptions
 from kvcore.run_spec import run_speculative
-from kvcore.spec import SpecOptions, draft_names
+from kvcore.speculative import SpecOptions, draft_names
 
 from . import output
 

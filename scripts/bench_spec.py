@@ -25,7 +25,7 @@ from kvcore.engine import Engine
 from kvcore.engine.prompt import encode_prompt
 from kvcore.models import load_model
 from kvcore.policy import KVOptions, resolve_policy
-from kvcore.spec import ModelDraft, PromptLookup, SpecEngine
+from kvcore.speculative import ModelDraft, PromptLookup, SpecEngine
 
 SCHEMES = {"full": KVOptions(), "affine:8": KVOptions(kv_bits=8, quantized_kv_start=0),
            "affine:4": KVOptions(kv_bits=4, quantized_kv_start=0)}

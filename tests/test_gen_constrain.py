@@ -16,7 +16,7 @@ from kvcore.engine.constrain import ConstraintSpec
 from kvcore.errors import MlxkvError
 from kvcore.models import load_model
 from kvcore.policy import KVOptions, build_caches, resolve_policy
-from kvcore.spec import PromptLookup, SpecEngine
+from kvcore.speculative import PromptLookup, SpecEngine
 from mlxkv_cli.main import build_app
 
 pytest.importorskip("llguidance")

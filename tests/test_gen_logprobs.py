@@ -11,7 +11,7 @@ from helpers import ROW_PROMPTS, per_family
 from kvcore.engine import Engine, GenerateConfig, Request, SamplingConfig, generate_one
 from kvcore.fidelity import teacher_forced_logprobs
 from kvcore.policy import KVOptions, build_caches, resolve_policy
-from kvcore.spec import PromptLookup, SpecEngine
+from kvcore.speculative import PromptLookup, SpecEngine
 from mlxkv_cli.main import build_app
 
 CHUNK, N, TOL = 8, 10, 2e-4

@@ -17,8 +17,8 @@ from kvcore.attention import attention_context
 from kvcore.cache import CompressedKVCache
 from kvcore.engine import GenerateConfig, Request, generate_one, prefill
 from kvcore.policy import KVOptions, build_caches, resolve_policy
-from kvcore.spec import DraftProvider, ModelDraft, PromptLookup, Proposal, SpecEngine
-from kvcore.spec.rows import Checkpoint, feed, offsets, pad, rollback
+from kvcore.speculative import DraftProvider, ModelDraft, PromptLookup, Proposal, SpecEngine
+from kvcore.speculative.rows import Checkpoint, feed, offsets, pad, rollback
 
 CHUNK = 8
 KINDS = {

@@ -5,8 +5,8 @@ import pytest
 
 from kvcore.cache import BatchCompressedKVCache, CompressedKVCache
 from kvcore.codecs import FULL, CodecSpec
-from kvcore.spec import RollbackError, SpecStats, Verdict, accept_greedy, accept_sampled, lookup
-from kvcore.spec.rows import trim_rows
+from kvcore.speculative import RollbackError, SpecStats, Verdict, accept_greedy, accept_sampled, lookup
+from kvcore.speculative.rows import trim_rows
 
 # --- the sampling rule: a Markov chain over a tiny vocabulary ------------------------------
 V, N, K = 4, 20000, 3

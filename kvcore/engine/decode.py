@@ -1,7 +1,7 @@
 """The plain decode step: one token for every running row, pipelined as mlx-lm's generate_step.
 
 A decode step is an object the Engine is composed with (the speculative round is another,
-kvcore/spec/round.py), with hooks for rows joining and leaving. Per step: one forward, one
+kvcore/speculative/engine.py), with hooks for rows joining and leaving. Per step: one forward, one
 `async_eval` that queues the NEXT step on the lazily sampled tokens, then one read-back of
 this step's tokens: the host never waits for the device inside a step otherwise.
 """
