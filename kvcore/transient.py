@@ -186,8 +186,13 @@ def plan_prefill(config: dict, policy, context: int, weights: int, kv: int, budg
 @contextmanager
 def memory_limit(plan: PrefillPlan | int):
     """MLX's memory limit at `plan`'s peak (or that many bytes) inside the block, restored after:
-    the graph walk waits for in-flight work whenever active memory is over it."""
-    limit = plan.peak if isinstance(plan, PrefillPlan) else int(plan)
+    the graph walk waits for in-flight work whenever active memory is over it. A plan's limit is
+    never below what is live now plus its KV and transient (arrays the plan does not know of, held
+    by the caller, would otherwise make every step wait)."""
+    if isinstance(plan, PrefillPlan):
+        limit = max(plan.peak, mx.get_active_memory() + plan.kv + plan.transient.total)
+    else:
+        limit = int(plan)
     old = mx.set_memory_limit(limit)
     try:
         yield limit
