@@ -13,9 +13,9 @@ same on SmolLM2 (bin flips counted at the divergence).
 from __future__ import annotations
 
 import pytest
-
 from fixtures.kv_trace import KVTrace
 from helpers import ROW_PROMPTS
+
 from kvcore import models
 from kvcore.engine.prompts_file import PromptSpec
 from kvcore.policy import KVOptions

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gguf_helpers import stories_metadata, stories_tensors
 from typer.testing import CliRunner
 
-from gguf_helpers import stories_metadata, stories_tensors
 from kvcore.errors import MlxkvError
 from kvcore.gguf import load_gguf
 from kvcore.gguf import writer as gw

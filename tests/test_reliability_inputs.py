@@ -10,11 +10,11 @@ import time
 from pathlib import Path
 
 import pytest
+from store_helpers import cli, job
 from typer.testing import CliRunner
 
 from kvcore.engine.prompts_file import load_prompts_file
 from mlxkv_cli.main import build_app
-from store_helpers import cli, job
 
 DEEP = 100_000  # nesting depth far past Python's recursion limit
 

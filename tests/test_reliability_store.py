@@ -10,6 +10,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from store_helpers import DOC, cli, job, join, split
 
 from kvcore.cache import CompressedKVCache
 from kvcore.codecs import CodecSpec
@@ -17,7 +18,6 @@ from kvcore.errors import MlxkvError
 from kvcore.models import load_model
 from kvcore.policy import KVOptions
 from kvcore.store import model_fingerprint, open_cache_file, save_cache
-from store_helpers import DOC, cli, job, join, split
 
 OPTS = KVOptions(max_kv_size=32, keep=4, kv_bits=4, kv_group_size=32, quantized_kv_start=0)
 A4 = CodecSpec("affine", 4, 32)
@@ -140,7 +140,7 @@ def test_a_fifo_is_refused_not_waited_on(fifo, tmp_path):
     out = tmp_path / "out.kv"
     for args in (("generate", "-p", "x", "-n", "2", "--load-cache", fifo), ("inspect-cache", fifo),
                  ("convert-kv", fifo, out, "--kv-bits", "8")):
-        one_line_error(_within(20, lambda: cli(*args)), "is a FIFO (named pipe), not a regular file")
+        one_line_error(_within(20, lambda args=args: cli(*args)), "is a FIFO (named pipe), not a regular file")
     assert not out.exists()
 
 
