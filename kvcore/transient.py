@@ -109,13 +109,14 @@ def layer_transient(config: dict, policy, context: int, chunk: int, dtype_size: 
         T = min(context, window + n) if window else context
         encoded = policy.compresses and (kc or vc) and context >= (policy.start or 0)
         bt = (kc or vc).block_tokens if encoded else 1
-        multi = bool(window) or policy.recent > 0 or bt > 1
-        shadow = min(n + policy.recent, T) if encoded and (policy.recent or bt > 1) else 0  # read two ways
+        recent = policy.recent_for(i) if hasattr(policy, "recent_for") else policy.recent
+        multi = bool(window) or recent > 0 or bt > 1
+        shadow = min(n + recent, T) if encoded and (recent or bt > 1) else 0  # read two ways
         factor = max(workspace_factor(kc, dtype), workspace_factor(vc, dtype)) if encoded else 0.0
         shape = CallShape(1, heads, s.kv_heads, s.head_dim, s.head_dim, n, T + shadow,
                           "array" if window or shadow else "causal",
                           in_place=not encoded and not window, segments=3 if multi else 1,
-                          encoded=max(0, T - policy.recent) if encoded else 0, factor=factor)
+                          encoded=max(0, T - recent) if encoded else 0, factor=factor)
         plan = plan_call(shape, dtype, limit)
         call = plan.bytes if plan is not None else replace(CallBytes(), scratch=limit)  # blockwise: within limit
         group = min(group, plan.group if plan is not None else 0)
