@@ -109,7 +109,7 @@ def layer_transient(config: dict, policy, context: int, chunk: int, dtype_size: 
         T = min(context, window + n) if window else context
         encoded = policy.compresses and (kc or vc) and context >= (policy.start or 0)
         bt = (kc or vc).block_tokens if encoded else 1
-        recent = policy.recent_for(i) if hasattr(policy, "recent_for") else policy.recent
+        recent = policy.recent_for(i)
         multi = bool(window) or recent > 0 or bt > 1
         shadow = min(n + recent, T) if encoded and (recent or bt > 1) else 0  # read two ways
         factor = max(workspace_factor(kc, dtype), workspace_factor(vc, dtype)) if encoded else 0.0
