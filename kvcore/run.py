@@ -11,6 +11,7 @@ from .adapters import apply_adapter
 from .attention.hook import attention_stats, bind
 from .backend import backend_name, versions
 from .engine import GenerateConfig, Request, SamplingConfig, generate_one, kv_summary
+from .engine.forward import DEFAULT_PREFILL_CHUNK
 from .engine.chat import continue_chat, conversation, held_ids, save_conversation
 from .engine.prompt import encode_continuation, encode_prompt, has_chat_template
 from .errors import MlxkvError
@@ -35,7 +36,7 @@ class GenerateJob:
     stop: tuple[str, ...] = ()
     sampling: SamplingConfig = SamplingConfig()
     kv: KVOptions = field(default_factory=KVOptions)
-    prefill_chunk: int = 512
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # 2048, as mlx-lm (kvcore.transient plans smaller ones for a budget)
     save_cache: str | None = None  # save the caches after the run (prompt + generated tokens)
     load_cache: str | None = None  # continue from a saved cache
     continue_mode: str = "append"  # with load_cache: "append" the prompt as raw tokens | it is the "full" prompt

@@ -46,7 +46,7 @@ def chat(
     max_kv_size: MaxKvOpt = None,
     kv_keep: KeepOpt = None,
     profile: ProfileOpt = None,
-    prefill_chunk: Annotated[int, typer.Option(help="Prompt tokens per forward pass.")] = 512,
+    prefill_chunk: Annotated[int, typer.Option(help="Prompt tokens per forward pass (mlx-lm: 2048).")] = 2048,
     load_cache: Annotated[Optional[str], typer.Option(help="Start from a saved cache (as /load FILE).")] = None,
     adapter_path: AdapterOpt = None,
     offline: OfflineOpt = False,

@@ -61,7 +61,7 @@ def generate(
     max_kv_size: MaxKvOpt = None,
     kv_keep: KeepOpt = None,
     profile: ProfileOpt = None,
-    prefill_chunk: Annotated[int, typer.Option(help="Prompt tokens per forward pass.")] = 512,
+    prefill_chunk: Annotated[int, typer.Option(help="Prompt tokens per forward pass (mlx-lm: 2048).")] = 2048,
     save_cache: Annotated[Optional[Path], typer.Option(help="Save the KV caches after the run (prompt and generated tokens); --max-tokens 0 saves the prefilled prompt.")] = None,
     load_cache: Annotated[Optional[Path], typer.Option(help="Continue from a saved cache: -p text follows the cached tokens (raw, no template); --prompt-file is a full prompt whose cached prefix is reused.")] = None,
     chat_continue: Annotated[bool, typer.Option("--chat-continue", help="With --load-cache and -p: add the text as a new chat turn (chat template).")] = False,
