@@ -124,7 +124,7 @@ def mlx_lm_decode(model, cfg, ctx: int, gen: int, kv_bits: int | None = None) ->
 
 def prefill_case(model, scheme: str | None, ctx: int) -> dict:
     """Time to first token for a random `ctx`-token prompt (scheme None: mlx-lm bf16)."""
-    prompt = mx.random.randint(3, 30000, (ctx,)).tolist()
+    prompt = mx.random.randint(3, min(30000, model.args.vocab_size), (ctx,)).tolist()
     mx.synchronize()
     mx.reset_peak_memory()
     t0 = time.perf_counter()

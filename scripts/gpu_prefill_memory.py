@@ -1,0 +1,65 @@
+#!/usr/bin/env python3
+"""Issue 14's P3 and P8 on the device: prefill peak with the memory model's plan (kvcore.transient)
+against weights + KV, and mlx-lm bf16 in the same run. Prints one JSON line per case.
+
+    python scripts/gpu_prefill_memory.py [--shape llama-8b] [--contexts 32768,131072] [--p8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import mlx.core as mx
+
+from kvcore.bench.grid import scheme_policy
+from kvcore.bench.shapes import build_random_model
+from kvcore.engine import Engine, GenerateConfig, Request
+from kvcore.engine.memory import model_bytes
+from kvcore.transient import memory_limit, plan_for_model
+
+
+def case(model, cfg, scheme: str, ctx: int, budget: int | None, limit: bool) -> dict:
+    policy = scheme_policy(scheme)
+    plan = plan_for_model(model, cfg, policy, ctx, budget=budget)
+    prompt = mx.random.randint(3, min(30000, cfg["vocab_size"]), (ctx,)).tolist()
+    engine = Engine(model, None, policy, 1, GenerateConfig(prefill_chunk=plan.chunk), attention=plan.attention,
+                    ignore_eos=True)
+    mx.synchronize()
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    t0 = time.perf_counter()
+    if limit:
+        with memory_limit(plan):
+            engine.run([Request(tuple(prompt), 1, "p")])
+    else:
+        engine.run([Request(tuple(prompt), 1, "p")])
+    mx.synchronize()
+    t = time.perf_counter() - t0
+    kv = engine.peak_kv.get("kv_bytes") or 0
+    w = model_bytes(model)
+    return {"scheme": scheme, "context": ctx, "memory_limit": limit, "budget": budget, "chunk": plan.chunk,
+            "prefill_tps": ctx / t, "peak_gb": mx.get_peak_memory() / 1e9, "weights_plus_kv_gb": (w + kv) / 1e9,
+            "over": mx.get_peak_memory() / (w + kv) - 1, "planned_peak_gb": plan.peak / 1e9}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="llama-8b")
+    ap.add_argument("--contexts", default="32768,131072")
+    ap.add_argument("--p8", action="store_true", help="also --weight-bits 4 at 128k under a 10 GiB budget")
+    a = ap.parse_args()
+    model, cfg = build_random_model(a.shape)
+    for ctx in [int(c) for c in a.contexts.split(",")]:
+        for limit in (False, True):
+            print(json.dumps(case(model, cfg, "affine:4", ctx, None, limit)), flush=True)
+    if a.p8:
+        del model
+        mx.clear_cache()
+        model, cfg = build_random_model(a.shape, weight_bits=4)
+        print(json.dumps(case(model, cfg, "affine:4", 131072, 10 * 2**30, True)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
