@@ -41,6 +41,7 @@ from .speed import decode_tok_s
 
 Progress = Callable[[int, int, str], None]
 LONG_CONTEXT = 32768
+CHOICE_STEPS = 6  # decode steps timed per choice (the config itself and full precision: speed.STEPS)
 
 
 @dataclass(frozen=True)
@@ -251,7 +252,7 @@ def run_calibrate(job: CalibrateJob, on_progress: Progress | None = None) -> Cal
               "chosen": decode_tok_s(model, policy, kv_sample, token, dtype)}
     for o in sorted({o for o in chosen.choices.values() if o.compresses}, key=lambda o: o.label()):
         decode[o.label()] = decode_tok_s(model, config_policy(config_entries({i: o for i in layers})), kv_sample,
-                                         token, dtype)
+                                         token, dtype, steps=CHOICE_STEPS)
     step("decode speed", 4)
     phase["decode_s"] = time.perf_counter() - t0
     phase["total_s"] = time.perf_counter() - t_start
