@@ -20,7 +20,17 @@ def test_equal_rows_need_no_mask_and_match_alone(llama):
     reqs = [Request(tuple(3 + (7 * i + j) % 200 for j in range(12)), 10, str(i)) for i in range(3)]
     reqs.append(Request(tuple(range(3, 20)), 6, "long"))  # joins later: its own length
     alone = [generate_one(model, tok, r, build_caches(model, policy)[0]).token_ids for r in reqs]
-    engine = Engine(model, tok, policy, 4, GenerateConfig(prefill_chunk=8), interleave=False)
+    out, seen = run_watching(model, tok, policy, 4, reqs)
+    assert [c.token_ids for c in out] == alone
+    assert (4, True) in seen  # rows of different lengths: the array mask
+    out, seen = run_watching(model, tok, policy, 3, reqs[:3])
+    assert [c.token_ids for c in out] == alone[:3]
+    assert (3, False) in seen  # one length: no mask at all
+
+
+def run_watching(model, tok, policy, batch, reqs):
+    """(completions, {(running rows, padded)} seen at each decode step of a full-precision batch)."""
+    engine = Engine(model, tok, policy, batch, GenerateConfig(prefill_chunk=8), interleave=False)
     seen = set()
     step = engine._decode_step
 
@@ -31,19 +41,4 @@ def test_equal_rows_need_no_mask_and_match_alone(llama):
         return step()
 
     engine._decode_step = spy
-    out = engine.run(reqs)
-    assert [c.token_ids for c in out] == alone
-    assert (4, True) in seen  # rows of different lengths: the array mask
-    engine2 = Engine(model, tok, policy, 3, GenerateConfig(prefill_chunk=8), interleave=False)
-    seen.clear()
-    step = engine2._decode_step
-
-    def spy2():
-        c = engine2.caches[0]
-        if isinstance(c, DenseBatchKVCache):
-            seen.add((len(engine2.running), c.padded))
-        return step()
-
-    engine2._decode_step = spy2
-    assert [c.token_ids for c in engine2.run(reqs[:3])] == alone[:3]
-    assert (3, False) in seen  # one length: no mask at all
+    return engine.run(reqs), seen
