@@ -69,3 +69,23 @@ def serve(
 
     run_server(config, on_ready=ready)
     err.print("server stopped")
+    exit_now(0)
+
+
+def exit_now(code: int) -> None:
+    """End the process without running C++ static and thread-local destructors.
+
+    MLX used on a thread other than the main one (the engine thread) can abort the interpreter's
+    teardown now and then ("terminate called without an active exception", ml-explore/mlx#3126);
+    everything is stopped and flushed by here, so nothing is lost by skipping it."""
+    import logging
+    import os
+    import sys
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
