@@ -13,7 +13,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from kvcore.fidelity_run import FidelityJob, run_fidelity
+from kvcore.fidelity.run import FidelityJob, run_fidelity
 from kvcore.store.atomic import atomic_write, check_target
 
 from .hub import fetch_model

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from kvcore.calibrate import Budget, CalibrateJob, config_policy, run_calibrate
 from kvcore.errors import MlxkvError
 from kvcore.fidelity import teacher_forced_logprobs
-from kvcore.fidelity_bytes import kv_bytes
+from kvcore.fidelity.bytes import kv_bytes
 from kvcore.policy import build_caches
 from kvcore.policy.kv_config import load_kv_file
 from mlxkv_cli.main import build_app

@@ -3,7 +3,7 @@ model's head dim gets a note."""
 
 from typer.testing import CliRunner
 
-from kvcore.fidelity_run import FidelityJob, heldout_texts, run_fidelity
+from kvcore.fidelity.run import FidelityJob, heldout_texts, run_fidelity
 from mlxkv_cli.main import build_app
 
 

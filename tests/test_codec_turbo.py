@@ -10,7 +10,7 @@ from kvcore.codecs.bitpack import chunk_table, lookup, pack, packed_bytes, unpac
 from kvcore.codecs.lloyd_max import expected_mse, gaussian_codebook
 from kvcore.codecs.rotation import make_rotation
 from kvcore.errors import MlxkvError
-from kvcore.fidelity_bytes import kv_bytes
+from kvcore.fidelity.bytes import kv_bytes
 from kvcore.policy.kv_spec import parse_kv
 
 

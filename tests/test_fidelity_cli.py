@@ -10,8 +10,8 @@ from typer.testing import CliRunner
 from backend_expect import mlx_lm_quantized_runs
 
 from kvcore.errors import MlxkvError
-from kvcore.fidelity_run import FidelityJob, run_fidelity
-from kvcore.fidelity_schemes import parse_schemes
+from kvcore.fidelity.run import FidelityJob, run_fidelity
+from kvcore.fidelity.schemes import parse_schemes
 from mlxkv_cli.main import build_app
 
 CORPUS = Path(__file__).resolve().parents[2] / "shared/assets/corpora/tinystories_val_head.txt"

@@ -8,7 +8,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..fidelity import TokenStats, pool, teacher_forced_logprobs, token_stats
-from ..fidelity_bytes import KVBytes, kv_bytes
+from ..fidelity.bytes import KVBytes, kv_bytes
 from ..policy import KVPolicy, build_caches
 
 

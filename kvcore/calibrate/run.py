@@ -25,7 +25,7 @@ from mlx.utils import tree_flatten
 from ..backend import backend_name, versions
 from ..bench.fit import layer_shapes
 from ..errors import MlxkvError
-from ..fidelity_run import FidelityJob, heldout_texts, text_windows
+from ..fidelity.run import FidelityJob, heldout_texts, text_windows
 from ..models import load_model, parse_dtype
 from ..policy import KVPolicy, plan_layers
 from .budget import Budget, budget_bytes, config_bytes, layer_elements, option_bytes

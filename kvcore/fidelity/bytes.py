@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-from .cache import CompressedKVCache
+from ..cache import CompressedKVCache
 
 F16 = 2
 

@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .engine.forward import cache_offset, compressed, forward, next_boundary
+from ..engine.forward import cache_offset, compressed, forward, next_boundary
 
 
 def _chunks(model: nn.Module, tokens: list[int], caches: list, chunk: int):
@@ -59,11 +59,11 @@ def teacher_forced_chunk(model: nn.Module, config: dict, tokens: int, budget: in
     (up to mlx-lm's 2048) whose transient, every position's float32 logits included, fits
     `budget` (default: the device's working set) beside the weights and the window's
     full-precision KV (`kvcore.transient.plan_prefill`)."""
-    from .cache.bytes import KVByteModel
-    from .engine.memory import dtype_size, model_bytes, working_set
-    from .policy import KVPolicy
-    from .policy.plan import plan_layers
-    from .transient import plan_prefill
+    from ..cache.bytes import KVByteModel
+    from ..engine.memory import dtype_size, model_bytes, working_set
+    from ..policy import KVPolicy
+    from ..policy.plan import plan_layers
+    from ..transient import plan_prefill
 
     size = dtype_size(model)
     kv = KVByteModel(config, plan_layers(model, KVPolicy()), size, mlxkv=False).row_alloc(tokens)

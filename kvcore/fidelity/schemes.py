@@ -12,10 +12,10 @@ from dataclasses import dataclass
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-from .codecs import make_codec
-from .errors import MlxkvError
-from .policy import KVOptions, KVPolicy, build_caches, resolve_policy
-from .policy.kv_spec import parse_kv
+from ..codecs import make_codec
+from ..errors import MlxkvError
+from ..policy import KVOptions, KVPolicy, build_caches, resolve_policy
+from ..policy.kv_spec import parse_kv
 
 MLX_LM = "mlx-lm:"
 

@@ -3,7 +3,7 @@
 For every window the reference is the same model with full-precision KV on the same tokens;
 each scheme then feeds the window teacher-forced in chunks through its real caches (so
 attention reads the compressed cache, as in generation). Positions of all windows pool into
-one row per scheme; KV bytes are counted at the end of each window (`fidelity_bytes.py`).
+one row per scheme; KV bytes are counted at the end of each window (`bytes.py`).
 """
 
 from __future__ import annotations
@@ -16,18 +16,24 @@ from typing import Callable
 
 import mlx.core as mx
 
-from .backend import backend_name, versions
-from .bench.fit import layer_shapes
-from .errors import MlxkvError
-from .fidelity import Fidelity, TokenStats, pool, teacher_forced_chunk, teacher_forced_logprobs, teacher_forced_stats
-from .fidelity_bytes import KVBytes, kv_bytes
-from .fidelity_schemes import Scheme, parse_schemes, scheme_note
-from .models import load_model, parse_dtype
-from .policy import KVPolicy, build_caches
-
+from ..backend import backend_name, versions
+from ..bench.fit import layer_shapes
+from ..errors import MlxkvError
+from ..models import load_model, parse_dtype
+from ..policy import KVPolicy, build_caches
+from .bytes import KVBytes, kv_bytes
+from .schemes import Scheme, parse_schemes, scheme_note
+from .teacher_forced import (
+    Fidelity,
+    TokenStats,
+    pool,
+    teacher_forced_chunk,
+    teacher_forced_logprobs,
+    teacher_forced_stats,
+)
 
 CHARS_PER_TOKEN = 16  # generous: text prefix tokenized before falling back to the whole text
-HELDOUT = Path(__file__).resolve().parent / "assets" / "heldout"  # public domain sample (LICENSE there)
+HELDOUT = Path(__file__).resolve().parents[1] / "assets" / "heldout"  # public domain sample (LICENSE there)
 
 
 def heldout_texts() -> list[str]:
@@ -38,10 +44,10 @@ def heldout_texts() -> list[str]:
 @dataclass
 class FidelityJob:
     texts: list[str]  # empty: the shipped held-out sample (`heldout_texts`)
-    schemes: str = "full,affine:8,affine:4,turbo:k4v3"  # comma-separated, see fidelity_schemes.py
+    schemes: str = "full,affine:8,affine:4,turbo:k4v3"  # comma-separated, see schemes.py
     model: str | None = None
     dtype: str | None = None
-    chunk: int | None = None  # None: the largest the memory allows (fidelity.teacher_forced_chunk)
+    chunk: int | None = None  # None: the largest the memory allows (teacher_forced.teacher_forced_chunk)
     windows: int = 1  # per text
     window_tokens: int = 1024
     baselines: bool = True  # add mlx-lm's QuantizedKVCache beside each affine scheme
@@ -56,7 +62,7 @@ class SchemeRow:
     kv: list[KVBytes] = field(default_factory=list)
     seconds: float = 0.0
     error: str | None = None
-    note: str | None = None  # why the scheme cannot suit the model (fidelity_schemes.scheme_note)
+    note: str | None = None  # why the scheme cannot suit the model (schemes.scheme_note)
 
     def to_json(self) -> dict:
         out = {"scheme": self.scheme, "engine": self.engine, "error": self.error, "note": self.note}
