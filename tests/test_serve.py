@@ -12,7 +12,7 @@ from openai import BadRequestError, NotFoundError, OpenAI
 
 from helpers import ROW_PROMPTS
 from serve_helpers import get, metric, post
-from kvcore.engine import GenerateConfig, Request, generate_one
+from kvcore.engine import GenerateConfig, Request, SamplingConfig, generate_one
 from kvcore.policy import KVOptions, build_caches
 from kvcore.serve import ServeConfig, start_server
 
@@ -36,17 +36,22 @@ def client(server):
     return OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
 
 
-def alone(server, prompt: str, n: int):
-    """(text, tokens) of `mlxkv generate`'s path for this prompt alone (generate_one on fresh caches,
-    the same model and KV policy), run on the server's engine thread."""
+def alone(server, prompt: str, n: int, sampling: SamplingConfig | None = None):
+    """(text, token count, compressed?) of `mlxkv generate`'s path for this prompt alone."""
+    c, caches = alone_completion(server, prompt, n, sampling)
+    return c.text, len(c.token_ids), any(getattr(x, "key_codec", None) is not None for x in caches)
+
+
+def alone_completion(server, prompt: str, n: int, sampling: SamplingConfig | None = None):
+    """(Completion, caches) of generate_one on fresh caches (the same model and KV policy) for this
+    prompt alone, run on the server's engine thread."""
     served = server.served
 
     def run(_engine):
         ids = served.tokenizer.encode(prompt)
         caches = build_caches(served.lm.model, served.policy)[0]
-        c = generate_one(served.lm.model, served.tokenizer, Request(tuple(ids), n), caches,
-                         GenerateConfig(prefill_chunk=CHUNK))
-        return c.text, len(c.token_ids), any(getattr(x, "key_codec", None) is not None for x in caches)
+        return generate_one(served.lm.model, served.tokenizer, Request(tuple(ids), n, sampling=sampling), caches,
+                            GenerateConfig(prefill_chunk=CHUNK)), caches
 
     return server.worker.call(run).result(timeout=60)
 
@@ -151,6 +156,12 @@ BASE = {"messages": [{"role": "user", "content": "Tom"}], "max_tokens": 2}
     ({"frobnicate": 1}, 400, "frobnicate"),
     ({"n": 0}, 400, "n"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ({"presence_penalty": 2.5}, 400, "presence_penalty"),
+    ({"frequency_penalty": "1"}, 400, "frequency_penalty"),
+    ({"logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ({"logit_bias": {"cat": 1}}, 400, "logit_bias"),
+    ({"logit_bias": {"5000000": 1}}, 400, "logit_bias"),  # outside the vocabulary
+    ({"logit_bias": [1, 2]}, 400, "logit_bias"),
     ({"max_tokens": 600}, 400, "messages"),  # past the model's 512-token context
     ({"model": "gpt-4o"}, 404, "model"),
     (b"[1, 2]", 400, None),
@@ -255,3 +266,40 @@ def test_n_choices_are_rows_of_their_own(server, client):
     texts = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
              for i in range(2)]
     assert texts == [one(5), one(6)]
+
+
+def test_penalties_and_logit_bias_per_row_equal_each_alone(server, client):
+    greedy = alone_completion(server, PROMPTS[0], 14)[0]
+    banned = greedy.token_ids[0]
+    asks = [({"presence_penalty": 2.0, "frequency_penalty": 2.0}, SamplingConfig(presence_penalty=2.0, frequency_penalty=2.0)),
+            ({"frequency_penalty": 1.2}, SamplingConfig(frequency_penalty=1.2)),
+            ({"logit_bias": {str(banned): -100}, "presence_penalty": -0.5},
+             SamplingConfig(logit_bias={banned: -100}, presence_penalty=-0.5)),
+            ({"temperature": 1.3, "seed": 4, "frequency_penalty": 0.8},
+             SamplingConfig(temp=1.3, seed=4, frequency_penalty=0.8))]
+    prompt = PROMPTS[0]
+    outs = [alone_completion(server, prompt, 14, cfg)[0] for _, cfg in asks]
+    want = [c.text for c in outs]
+    assert len(set(want)) == len(want) and greedy.text not in want  # each setting bites
+    assert banned not in outs[2].token_ids
+    barrier = threading.Barrier(len(asks) + 2)
+
+    def ask(kw):
+        barrier.wait()
+        return client.completions.create(model=server.served.name, prompt=prompt, max_tokens=14,
+                                         **{"temperature": 0, **kw}).choices[0].text
+
+    with ThreadPoolExecutor(len(asks) + 2) as pool:  # beside two plain greedy rows, in one batch
+        plain = [pool.submit(ask, {}) for _ in range(2)]
+        got = [pool.submit(ask, kw) for kw, _ in asks]
+        assert [f.result() for f in got] == want
+        assert [f.result() for f in plain] == [greedy.text] * 2
+
+
+def test_logit_bias_forces_a_token(server, client):
+    tok = server.served.tokenizer
+    forced = tok.encode(" cat")[-1]
+    for kw in ({"temperature": 0}, {"temperature": 1.5, "seed": 2}):
+        r = client.chat.completions.create(model=server.served.name, messages=[{"role": "user", "content": "Tom"}],
+                                           max_tokens=6, logit_bias={str(forced): 100}, **kw)
+        assert r.choices[0].message.content == tok.decode([forced] * 6) and r.usage.completion_tokens == 6

@@ -101,7 +101,7 @@ class Runner:
         When a row asks for log-probabilities they ride along: (B, 2 + 2N) (sampling.py)."""
         lp = logprobs(logits)
         if all(s.sampling is self.sampling and s.key is None and s.constraint is None for s in seqs) \
-                and not self.sampling.penalized:
+                and not self.sampling.adjusted:
             tokens = self.sampler(lp)
         else:
             tokens = mx.concatenate([sample_row(logits[b : b + 1], s, self, lp[b : b + 1])
@@ -120,11 +120,13 @@ def _settled(cache):
 
 
 def sample_row(logits: mx.array, seq: Sequence, runner: Runner | None = None, lp: mx.array | None = None) -> mx.array:
-    """One row's token from its logits (1, V), with its settings, random state and penalty
-    history (which the token joins, lazily). `lp`: the logprobs of `logits`, if at hand."""
+    """One row's token from its logits (1, V), with its settings, random state, bias and penalty
+    history and counts (which the token joins, lazily). `lp`: the logprobs of `logits`, if at hand."""
     cfg = seq.sampling
-    if cfg.penalized:
-        logits, lp = cfg.penalize(seq.history, logits), None
+    if cfg.counted and seq.counts is None:
+        seq.counts = mx.zeros((logits.shape[-1],), mx.float32)
+    if cfg.adjusted:
+        logits, lp = cfg.penalize(seq.history, logits, seq.counts), None
     if seq.constraint is not None:  # its grammar's mask for the next token
         logits, lp = apply_masks(logits, [seq.constraint.bits()]), None
     lp = logprobs(logits) if lp is None else lp
@@ -135,7 +137,7 @@ def sample_row(logits: mx.array, seq: Sequence, runner: Runner | None = None, lp
     else:
         seq.key, sub = mx.random.split(seq.key)
         tok = cfg.sample(lp, key=sub)
-    if cfg.penalized:
+    if cfg.penalized or cfg.counted:
         seq.remember(tok)
     return tok
 

@@ -4,8 +4,14 @@ log-probabilities a row asked for.
 `sampler()` is the engine-wide sampler (mlx-lm's filter chain, drawing from MLX's global random
 state, seeded once from `seed`); `sample(lp, key)` draws one row's token from its own random
 key (the same filters), so a seeded row gives the same tokens alone or among other rows.
-The filters run in mlx-lm's order: top-p, min-p, top-k. The repetition penalty is mlx-lm's
-logits processor (sign-aware, over the last `repetition_context_size` tokens, prompt included).
+The filters run in mlx-lm's order: top-p, min-p, top-k. Before them the logits are adjusted in
+mlx-lm's order: `logit_bias` (added), the repetition penalty (mlx-lm's logits processor,
+sign-aware, over the last `repetition_context_size` tokens, prompt included), then OpenAI's
+presence and frequency penalties over the counts of the tokens generated so far (prompt excluded):
+
+```
+logit[j] -= frequency_penalty * count[j] + presence_penalty * (count[j] > 0)
+```
 
 Log-probabilities (`logprobs=N`) ride with the sampled tokens in one int32 array, so a decode
 step still reads back once:
@@ -42,6 +48,9 @@ class SamplingConfig:
     repetition_context_size: int = 20
     logprobs: int | None = None  # None: not asked; N: the chosen token's and the top N per token
     constraint: ConstraintSpec | None = None  # a JSON schema, regex or grammar the output must match
+    presence_penalty: float = 0.0  # OpenAI's: off at 0, in [-2, 2]
+    frequency_penalty: float = 0.0  # OpenAI's: off at 0, in [-2, 2]
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit in [-100, 100]); a dict is taken
 
     def __post_init__(self):
         if not isinstance(self.temp, (int, float)) or not math.isfinite(self.temp) or self.temp < 0:
@@ -61,10 +70,26 @@ class SamplingConfig:
             raise MlxkvError(f"--repetition-context-size must be >= 1, got {self.repetition_context_size}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise MlxkvError(f"--logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or not -2 <= v <= 2:
+                raise MlxkvError(f"--{name.replace('_', '-')} must be a number in [-2, 2] (0: off), got {v}")
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
 
     @property
     def penalized(self) -> bool:
+        """The repetition penalty is on (the row keeps its last tokens)."""
         return self.repetition_penalty != 1
+
+    @property
+    def counted(self) -> bool:
+        """A presence or frequency penalty is on (the row counts its generated tokens)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    @property
+    def adjusted(self) -> bool:
+        """The logits change before sampling (a bias or a penalty): the row is sampled apart."""
+        return self.penalized or self.counted or bool(self.logit_bias)
 
     def filter(self, logprobs: mx.array) -> mx.array:
         """mlx-lm's filter chain (top-p, min-p, top-k) over (B, V) logprobs."""
@@ -90,11 +115,30 @@ class SamplingConfig:
             return mx.argmax(logprobs, axis=-1)
         return mx.random.categorical(self.filter(logprobs) * (1 / self.temp), key=key)
 
-    def penalize(self, history: mx.array | None, logits: mx.array) -> mx.array:
-        """mlx-lm's repetition penalty over (1, V) logits, `history` the row's last tokens."""
-        if not self.penalized or history is None or history.size == 0:
-            return logits
-        return make_repetition_penalty(self.repetition_penalty, self.repetition_context_size)(history, logits)
+    def penalize(self, history: mx.array | None, logits: mx.array, counts: mx.array | None = None) -> mx.array:
+        """(1, V) logits -> adjusted: the bias, mlx-lm's repetition penalty over `history` (the
+        row's last tokens), the presence/frequency penalties over `counts` (V,) (generated tokens)."""
+        if self.logit_bias:
+            ids, bias = zip(*self.logit_bias)
+            logits = logits.at[:, mx.array(ids, mx.int32)].add(mx.array(bias, mx.float32).astype(logits.dtype))
+        if self.penalized and history is not None and history.size:
+            logits = make_repetition_penalty(self.repetition_penalty, self.repetition_context_size)(history, logits)
+        if self.counted and counts is not None:
+            logits = logits - (self.frequency_penalty * counts + self.presence_penalty * (counts > 0)).astype(logits.dtype)
+        return logits
+
+
+def _bias_pairs(bias) -> tuple[tuple[int, float], ...]:
+    """{id: bias} or (id, bias) pairs -> sorted pairs, checked (ids >= 0, biases in [-100, 100])."""
+    pairs = bias.items() if isinstance(bias, dict) else bias
+    out = {}
+    for tok, b in pairs:
+        if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
+            raise MlxkvError(f"--logit-bias token ids must be integers >= 0, got {tok!r}")
+        if not isinstance(b, (int, float)) or isinstance(b, bool) or not math.isfinite(b) or not -100 <= b <= 100:
+            raise MlxkvError(f"--logit-bias values must be numbers in [-100, 100], got {b!r} for token {tok}")
+        out[tok] = float(b)
+    return tuple(sorted(out.items()))
 
 
 # -- log-probabilities riding with the tokens ------------------------------------------

@@ -96,6 +96,7 @@ class Sequence:
         if self.sampling.logprobs is not None:
             self.out.logprobs = []
         self.history: mx.array | None = None  # the last tokens the repetition penalty sees (lazy)
+        self.counts: mx.array | None = None  # (V,) generated tokens' counts, for presence/frequency (lazy)
         self.constraint = None  # its token mask's matcher (constrain.py)
         if self.sampling.constraint is not None:
             from .constrain import Constraint
@@ -133,9 +134,12 @@ class Sequence:
             self.finish("length")
 
     def remember(self, tok: mx.array) -> None:
-        """A sampled token (1,), still lazy, joins the repetition penalty's history."""
-        hist = tok.astype(mx.int32) if self.history is None else mx.concatenate([self.history, tok.astype(mx.int32)])
-        self.history = hist[-self.sampling.repetition_context_size:]
+        """A sampled token (1,), still lazy, joins the repetition penalty's history and the counts."""
+        if self.sampling.penalized:
+            hist = tok.astype(mx.int32) if self.history is None else mx.concatenate([self.history, tok.astype(mx.int32)])
+            self.history = hist[-self.sampling.repetition_context_size:]
+        if self.counts is not None:
+            self.counts = self.counts.at[tok].add(1.0)
 
     def take(self, sampled) -> TokenEvent:
         """A read-back sampled value: a token id, or a packed row with its logprobs (sampling.py)."""

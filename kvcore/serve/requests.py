@@ -22,7 +22,9 @@ _OPTIONAL_SAMPLING = {
     "logit_bias": ({}, "logit_bias"),
 }
 _FLAG_FIELDS = {"--temp": "temperature", "--top-p": "top_p", "--min-p": "min_p", "--seed": "seed",
-                "--top-k": "top_k", "--repetition-penalty": "repetition_penalty", "--logprobs": "logprobs"}
+                "--top-k": "top_k", "--repetition-penalty": "repetition_penalty", "--logprobs": "logprobs",
+                "--presence-penalty": "presence_penalty", "--frequency-penalty": "frequency_penalty",
+                "--logit-bias": "logit_bias"}
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
@@ -65,14 +67,25 @@ def unsupported(body) -> None:
             refuse(name, name.replace("_", " "))
 
 
-def sampling(body) -> SamplingConfig:
+def logit_bias(bias: dict[str, float], vocab: int) -> dict[int, float]:
+    """OpenAI's {"token id": bias} -> {id: bias}; ids outside the vocabulary are a 400."""
+    out = {}
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit()) or int(key) >= vocab:
+            raise bad_request(f"'logit_bias' keys must be token ids in 0..{vocab - 1}, got {key[:40]!r}",
+                              "logit_bias", "invalid_value")
+        out[int(key)] = value
+    return out
+
+
+def sampling(body, vocab: int) -> SamplingConfig:
     kw = {"temp": 1.0 if body.temperature is None else body.temperature,
           "top_p": 1.0 if body.top_p is None else body.top_p,
           "min_p": body.min_p or 0.0, "seed": body.seed}
     for name, (neutral, field) in _OPTIONAL_SAMPLING.items():
         value = getattr(body, name)
         if value is not None and field in _ENGINE_FIELDS:
-            kw[field] = {int(k): v for k, v in value.items()} if name == "logit_bias" else value
+            kw[field] = logit_bias(value, vocab) if name == "logit_bias" else value
     if isinstance(body, ChatRequest):
         if body.logprobs:
             kw["logprobs"] = body.top_logprobs or 0
@@ -140,7 +153,7 @@ def engine_requests(body, rid: str, ids: list[int], served: Served) -> list[Requ
     unsupported(body)
     default = served.config.max_tokens if isinstance(body, ChatRequest) else COMPLETION_DEFAULT_MAX_TOKENS
     limit = max_tokens(body, len(ids), served, default)
-    cfg = sampling(body)
+    cfg = sampling(body, served.vocab)
     rows = []
     for i in range(body.n or 1):
         row = cfg if cfg.seed is None or i == 0 else replace(cfg, seed=(cfg.seed + i) % 2**63)

@@ -56,8 +56,9 @@ class SpeculativeDecode:
         return []
 
     def joined(self, engine, seq) -> None:
-        if seq.sampling.penalized:
-            raise MlxkvError("the repetition penalty is not supported with speculative decoding")
+        if seq.sampling.adjusted:
+            raise MlxkvError("logit bias and repetition, presence or frequency penalties are not supported with "
+                             "speculative decoding")
         check_caches(engine.caches)
         self.draft.add_row(seq.context)
 
