@@ -45,6 +45,13 @@ def next_boundary(caches: list, pos: int) -> int | None:
     return min(starts) if starts else None
 
 
+def before_conversion(pos: int, n: int, boundary: int | None) -> int:
+    """How many of `n` tokens starting at cache position `pos` one pass feeds: all of them, or
+    those before `boundary` (the next conversion start), so the conversion lands exactly there.
+    Prefill, teacher-forced fidelity and speculative row feeds all split here."""
+    return n if boundary is None or boundary >= pos + n else boundary - pos
+
+
 def cache_offset(caches: list) -> int:
     for c in caches:
         if hasattr(c, "offset"):
@@ -68,10 +75,7 @@ def prefill_chunk(model: nn.Module, tokens: list[int], caches: list, done: int,
     pos = cache_offset(caches)
     for c in compressed(caches):
         c.reserve(pos + len(tokens) - done)  # the buffers grow once for the whole prompt
-    end = min(done + chunk, len(tokens))
-    b = next_boundary(caches, pos)
-    if b is not None and b < pos + end - done:
-        end = done + b - pos
+    end = done + before_conversion(pos, min(chunk, len(tokens) - done), next_boundary(caches, pos))
     if end == len(tokens) and end - done > 1:
         # the prompt's last chunk: only its last position's logits are needed, so the rest goes
         # first with its logits never evaluated (no (n, vocab) matmul, no (n, vocab) transient)

@@ -15,7 +15,13 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..engine.forward import cache_offset, compressed, forward, next_boundary
+from ..engine.forward import (
+    before_conversion,
+    cache_offset,
+    compressed,
+    forward,
+    next_boundary,
+)
 
 
 def _chunks(model: nn.Module, tokens: list[int], caches: list, chunk: int):
@@ -26,10 +32,8 @@ def _chunks(model: nn.Module, tokens: list[int], caches: list, chunk: int):
     for c in compressed(caches):
         c.reserve(pos0 + len(tokens))  # the buffers grow once for the whole text
     while i < len(tokens):
-        end = min(i + chunk, len(tokens))
-        b = next_boundary(caches, pos0 + i)
-        if b is not None and b < pos0 + end:
-            end = b - pos0
+        pos = pos0 + i
+        end = i + before_conversion(pos, min(chunk, len(tokens) - i), next_boundary(caches, pos))
         logits = forward(model, mx.array(tokens[i:end])[None], caches)[0].astype(mx.float32)
         lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         mx.eval(lp)

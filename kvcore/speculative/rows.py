@@ -24,7 +24,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache
 
 from ..cache import BatchCompressedKVCache
-from ..engine.forward import forward
+from ..engine.forward import before_conversion, forward
 from ..errors import MlxkvError
 
 
@@ -120,8 +120,7 @@ def feed_lists(model: nn.Module, caches: list, rows: list[list[int]]) -> mx.arra
         chunk = []
         for b in range(B):
             rest = rows[b][done[b]:]
-            n = len(rest) if bounds[b] is None else min(len(rest), bounds[b] - pos[b])
-            chunk.append(rest[:n])
+            chunk.append(rest[: before_conversion(pos[b], len(rest), bounds[b])])
         tokens, lengths = pad(chunk)
         logits = feed(model, caches, tokens, lengths)
         for b, n in enumerate(lengths):
