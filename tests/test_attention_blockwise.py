@@ -6,6 +6,7 @@ from backend_expect import MLX_LM_QUANTIZED_FAILS, QMM_FAILURE, mlx_lm_quantized
 
 from kvcore.attention import blockwise, kv_attention, reference_attention
 from kvcore.attention.config import AttentionConfig
+from kvcore.backend import backend_name
 from kvcore.cache import CompressedKVCache
 from kvcore.codecs import CodecSpec
 
@@ -121,15 +122,18 @@ def test_quantized_matmul_decode_equals_portable_path(monkeypatch, bits, group):
 
 
 def test_cuda_kernel_is_selected_only_where_it_applies():
-    """Off CUDA (or for codecs the kernel does not cover) the portable path runs."""
+    """On CUDA the kernel reads channel-grouped affine codecs (any bits, mixed key/value bits); off CUDA,
+    or for layouts it does not cover, the portable path runs."""
     from kvcore.attention import cuda_decode
     from kvcore.codecs import make_codec
 
+    on_cuda = backend_name() == "cuda"
     q = mx.zeros((1, 4, 1, 64))
     k4 = make_codec(CodecSpec("affine", 4, 64), 64)
-    assert not cuda_decode.applies(q, k4, k4)  # this machine is not CUDA
-    # shapes it would never take, whatever the backend
     k3 = make_codec(CodecSpec("affine", 3, 64), 64)
+    for kc, vc in ((k4, k4), (k3, k3), (k4, k3)):
+        assert cuda_decode.applies(q, kc, vc) is on_cuda
+    # what it never takes, whatever the backend: token-grouped affine (head dim 8), more than 8 queries
     tok = make_codec(CodecSpec("affine", 4, 32), 8)
-    for kc, vc in ((k3, k3), (tok, tok), (k4, k3)):
-        assert not cuda_decode.applies(q, kc, vc)
+    assert not cuda_decode.applies(q, tok, tok) and not cuda_decode.applies(q, k4, tok)
+    assert not cuda_decode.applies(mx.zeros((1, 4, 9, 64)), k4, k4)

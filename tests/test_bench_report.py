@@ -10,6 +10,7 @@ from mlx_lm import load
 from rich.console import Console
 from typer.testing import CliRunner
 
+from kvcore.backend import backend_name
 from kvcore.bench.baseline_time import project_prefill
 from kvcore.bench.grid import BenchConfig, run_grid
 from mlxkv_cli import bench_output
@@ -104,7 +105,7 @@ def test_the_figure_ticks_the_measured_contexts_and_pairs_engines_by_colour(run)
     assert lines["mlxkv affine:4 x1"].get_color() != ours.get_color()
     assert "KV cache" in kv.get_ylabel() and kv.get_lines() and "peak memory" in memory.get_ylabel()
     assert len(fig.legends) == 1 and all(ax.get_legend() is None for ax in fig.axes)
-    assert fig._suptitle.get_text() == "stories260K · cpu"
+    assert fig._suptitle.get_text() == f"stories260K · {backend_name()}"  # the backend that ran it
     one = figure({**rep, "rows": [r for r in rep["rows"] if r["context"] == 16]})  # one context: bars
     assert one.axes[0].patches and [t.get_text() for t in one.axes[0].get_xticklabels()] == ["full", "affine:4"]
     import matplotlib.pyplot as plt

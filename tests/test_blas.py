@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 
 from kvcore.blas import BlasStatus, blas_status, openblas_candidates
@@ -17,6 +18,8 @@ LINUX = sys.platform.startswith("linux")
 OPENBLAS = next((p for p in openblas_candidates() if os.path.exists(p) and "libblas" in p), None)
 needs_openblas = pytest.mark.skipif(
     not (LINUX and OPENBLAS), reason="Debian OpenBLAS not installed (libopenblas0-pthread)")
+cpu_backend = pytest.mark.skipif(mx.default_device() != mx.cpu,
+                                 reason="GPU default device: the CPU BLAS does not serve MLX's matmuls")
 
 PROBE = ("import json, mlx.core as mx; from kvcore.blas import blas_status; s = blas_status(); "
          "print(json.dumps({'optimized': s.optimized, 'library': s.library, 'hint': s.hint, "
@@ -56,12 +59,14 @@ def test_without_preload_reports_reference_blas():
 
 
 @needs_openblas
+@cpu_backend
 def test_preloaded_openblas_is_detected():
     s = probe({"LD_PRELOAD": OPENBLAS})
     assert s["optimized"] and "OpenBLAS" in s["library"], s
 
 
 @needs_openblas
+@cpu_backend
 def test_blas_env_script():
     s = probe({}, shell_prefix=f'. "{ROOT}/scripts/blas-env.sh"')
     assert s["optimized"] and "OpenBLAS" in s["library"], s

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 
 from kvcore.blas import openblas_candidates
@@ -32,6 +33,7 @@ def blas_line(r) -> str:
 
 
 @pytest.mark.skipif(not (LINUX and INSTALLED), reason="no OpenBLAS installed (libopenblas0-pthread)")
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="GPU default device: --version names no CPU BLAS")
 def test_installed_openblas_is_used_without_any_setup():
     r = version()
     assert "OpenBLAS" in blas_line(r) and HINT not in r.stderr

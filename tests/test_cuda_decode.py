@@ -1,5 +1,6 @@
-"""The CUDA decode kernel on CPU: its index math (numpy emulation) == mx.dequantize and the portable
-path, its launch arithmetic, and the selection falling back off CUDA / for shapes it does not cover."""
+"""The CUDA decode kernel on any backend: its index math (numpy emulation) == mx.dequantize and the
+portable path, its launch arithmetic, and its selection (CUDA only; the portable path elsewhere and for
+shapes it does not cover)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from kvcore.attention.cuda_launch import (
     token_bounds,
 )
 from kvcore.attention.rotated import rotate_view, shared_rotation
+from kvcore.backend import backend_name
 from kvcore.cache import BatchCompressedKVCache, CompressedKVCache
 from kvcore.codecs import CodecSpec, make_codec
 from kvcore.codecs.bitpack import unpack
@@ -205,10 +207,12 @@ def test_selection_falls_back_off_cuda_and_for_uncovered_layouts():
     cache = CompressedKVCache(_spec("affine", 4), start=0, attention=AttentionConfig(cuda_kernel=True, cuda_min_tokens=0))
     view = _views(cache, (100, 1))
     q = mx.random.normal((1, 4, 1, 64))
-    assert cuda_decode.view_attention(q, view, 0.125) is None  # this machine is not CUDA
+    on_cuda = backend_name() == "cuda"
+    assert (cuda_decode.view_attention(q, view, 0.125) is not None) is on_cuda  # the kernel serves on CUDA only
     out = blockwise.kv_attention(q, view, 0.125)
-    assert "cuda-kernel" not in cache.stats.calls
-    assert mx.allclose(out, blockwise.kv_attention(q, view, 0.125, config=PORTABLE), atol=1e-5).item()
+    assert ("cuda-kernel" in cache.stats.calls) is on_cuda
+    tol = {"atol": 2e-5, "rtol": 1e-4} if on_cuda else {"atol": 1e-5}  # the kernel: cuda_check's float32 tolerance
+    assert mx.allclose(out, blockwise.kv_attention(q, view, 0.125, config=PORTABLE), **tol).item()
     # layouts no launch covers, whatever the backend: token-grouped affine (head dim 8), turbo outside
     # the rotated basis, and more than 8 queries
     tok = CompressedKVCache(CodecSpec("affine", 4, 32), start=0)
@@ -216,7 +220,7 @@ def test_selection_falls_back_off_cuda_and_for_uncovered_layouts():
     assert cuda_decode.view_launches(mx.zeros((1, 2, 1, 8)), tv) is None
     turbo = CompressedKVCache(CodecSpec("turbo", 4), start=0)
     assert cuda_decode.view_launches(q, _views(turbo, (50, 1))) is None  # not rotated: would need R^T per token
-    assert not cuda_decode.applies(q, cache.key_codec, cache.value_codec)
+    assert cuda_decode.applies(q, cache.key_codec, cache.value_codec) is on_cuda
 
 
 def test_a_plan_outside_the_kernel_is_refused_without_a_device_check():
@@ -239,7 +243,7 @@ def test_check_inputs_reference_is_the_portable_attention():
 
 def test_kernel_default_follows_the_backend_and_the_environment(monkeypatch):
     monkeypatch.delenv("MLXKV_CUDA_DECODE", raising=False)
-    assert AttentionConfig().cuda_kernel is False  # on where the backend is CUDA; this machine is not
+    assert AttentionConfig().cuda_kernel is (backend_name() == "cuda")  # on where the backend is CUDA
     for value, want in (("1", True), ("0", False)):
         monkeypatch.setenv("MLXKV_CUDA_DECODE", value)
         assert AttentionConfig().cuda_kernel is want

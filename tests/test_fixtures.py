@@ -28,6 +28,19 @@ from fixtures.tiny_models import (
 
 STORIES_PROMPT_IDS = [1, 403, 407, 261, 378]  # "Once upon a time" (stories260K)
 
+
+def _qwen3_5_byte_level() -> bool:
+    """Whether this transformers rebuilds qwen3_5's tokenizer as ByteLevel BPE (see the fixtures'
+    TOKENIZER_CONFIG_OVERRIDES); versions without qwen3_5 in that list keep the stories tokenizer."""
+    try:
+        from transformers.models.auto.tokenization_auto import MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS as forced
+    except ImportError:
+        return False
+    return "qwen3_5" in forced
+
+
+QWEN3_5_BYTE_LEVEL = _qwen3_5_byte_level()
+
 # family -> (number of layers, expected cache kinds in order)
 EXPECTED = {
     "llama": (3, [KVCache] * 3),
@@ -79,7 +92,7 @@ def test_tiny_model(tiny_models, family):
 
     ids = canonical_prompt_ids(tokenizer)
     assert ids == tokenizer.encode(CANONICAL_PROMPT)
-    if family == "qwen3_5":
+    if family == "qwen3_5" and QWEN3_5_BYTE_LEVEL:
         # transformers forces a ByteLevel Qwen3_5Tokenizer for this model_type.
         assert ids[0] == 1 and len(ids) == 10
     else:

@@ -61,7 +61,7 @@ def test_bad_input_keeps_the_session_or_is_one_line(chat_model, tmp_path):
 
 
 def test_ctrl_c_stops_the_answer_not_the_session(chat_model):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}  # keeps where mlx is
     proc = subprocess.Popen([sys.executable, "-m", "mlxkv_cli", "chat", "-m", chat_model, "-n", "20000"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=ROOT)
     got = b""
@@ -73,7 +73,7 @@ def test_ctrl_c_stops_the_answer_not_the_session(chat_model):
         start = len(got)
         while not until(got[start:]):
             chunk = os.read(proc.stdout.fileno(), 256)
-            assert chunk, "chat ended early"
+            assert chunk, f"chat ended early: {proc.stderr.read().decode()[-2000:]}"
             got += chunk
 
     try:

@@ -6,7 +6,6 @@ import os
 import re
 from pathlib import Path
 
-import jsonschema
 import pytest
 from typer.testing import CliRunner
 
@@ -19,7 +18,8 @@ from kvcore.policy import KVOptions, build_caches, resolve_policy
 from kvcore.speculative import PromptLookup, SpecEngine
 from mlxkv_cli.main import build_app
 
-pytest.importorskip("llguidance")
+pytest.importorskip("llguidance")  # the constrain extra
+jsonschema = pytest.importorskip("jsonschema")  # the dev extra validates what it emits
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "n", "ok"],
           "properties": {"name": {"type": "string", "maxLength": 8}, "n": {"type": "integer", "minimum": 0, "maximum": 99},
