@@ -15,6 +15,7 @@ from kvcore.bench.grid import BenchConfig, run_grid
 from kvcore.errors import MlxkvError
 from kvcore.distributed import current, handshake, load_for_run, shard
 from kvcore.models import dtype_name, parse_dtype
+from kvcore.policy.kv_spec import split_kv_list
 from kvcore.store.atomic import check_target
 
 from . import bench_output
@@ -56,7 +57,7 @@ def bench(
     json_out: JsonOpt = False,
 ):
     """Benchmark KV schemes side by side with mlx-lm."""
-    cfg = BenchConfig(tuple(s.strip() for s in kv.split(",") if s.strip()), parse_ints(context, "--context"),
+    cfg = BenchConfig(tuple(split_kv_list(kv)), parse_ints(context, "--context"),
                       parse_ints(batch, "--batch"), gen, repeats, seed, not no_baseline,
                       baseline_factor=baseline_budget)
     dtype = dtype_name(dtype)

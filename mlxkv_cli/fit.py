@@ -16,6 +16,7 @@ from kvcore.bench.shapes import shape_weight_bytes
 from kvcore.errors import MlxkvError
 from kvcore.model_shape import SIZES, model_shape
 from kvcore.models import dtype_name, parse_dtype
+from kvcore.policy.kv_spec import split_kv_list
 from kvcore.units import format_bytes, parse_bytes
 
 from .bench import parse_ints
@@ -41,7 +42,7 @@ def fit(
 ):
     """Largest context per batch and largest batch per context, per KV scheme (no weights loaded)."""
     budget = read_budget(memory)
-    policies = {s.strip(): scheme_policy(s.strip()) for s in kv.split(",") if s.strip()}
+    policies = {s: scheme_policy(s) for s in split_kv_list(kv)}
     if kv_config:
         policies["kv_config"] = scheme_policy(f"config:{kv_config}")
     if not policies:

@@ -15,7 +15,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from ..codecs import make_codec
 from ..errors import MlxkvError
 from ..policy import KVOptions, KVPolicy, build_caches, resolve_policy
-from ..policy.kv_spec import parse_kv
+from ..policy.kv_spec import parse_kv, split_kv_list
 
 MLX_LM = "mlx-lm:"
 
@@ -52,7 +52,7 @@ def _mlx_lm(text: str) -> Scheme:
 def parse_schemes(text: str, baselines: bool = True) -> list[Scheme]:
     """Comma-separated `--kv` values and `mlx-lm:affine:...` rows, in order, without repeats."""
     out: list[Scheme] = []
-    names = [t.strip() for t in text.split(",") if t.strip()]
+    names = split_kv_list(text)
     if not names:
         raise MlxkvError("--kv: no schemes given (e.g. --kv full,affine:4,turbo:k4v3)")
     for name in names:

@@ -59,6 +59,13 @@ def _known() -> str:
     return ", ".join([*codec_names(), "config:FILE"])
 
 
+def split_kv_list(text: str) -> list[str]:
+    """A comma-separated list of `--kv` values (`fidelity`, `bench`, `fit`) -> its items, stripped,
+    empty ones dropped: `"full, affine:4,"` -> `["full", "affine:4"]`. Each caller says what an
+    empty list means."""
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
 def parse_kv(text: str) -> KvScheme:
     """`--kv` value -> KvScheme; anything else is a one-line MlxkvError naming it."""
     s = text.strip()
