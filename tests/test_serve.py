@@ -8,13 +8,18 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from openai import BadRequestError, NotFoundError, OpenAI
 
 from helpers import ROW_PROMPTS
 from serve_helpers import get, metric, post
 from kvcore.engine import GenerateConfig, Request, SamplingConfig, generate_one
 from kvcore.policy import KVOptions, build_caches
 from kvcore.serve import ServeConfig, start_server
+from kvcore.serve.server import EXTRA_MODULES
+
+for _extra in EXTRA_MODULES:  # the serve extra; without it (the device image) the module skips
+    pytest.importorskip(_extra)
+openai = pytest.importorskip("openai")  # the dev extra's client
+BadRequestError, NotFoundError, OpenAI = openai.BadRequestError, openai.NotFoundError, openai.OpenAI
 
 KEY = "sk-test"
 CHUNK = 8
