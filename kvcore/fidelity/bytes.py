@@ -33,10 +33,10 @@ class KVBytes:
 
 
 def _compressed(c: CompressedKVCache) -> KVBytes:
-    if c._dims is None:
+    tokens = c.size()
+    if tokens == 0:
         return KVBytes(0, 0, 0)
-    B, H, D, Dv, dtype = c._dims
-    dense = (c.sink.n + c.tail.n) * B * H * (D + Dv)
+    dense = (c.sink.n + c.tail.n) * (c.elements // tokens)  # elements per token: B x H x (D + Dv)
     return KVBytes(c.enc.nbytes + dense * F16, c.nbytes, c.elements)
 
 
