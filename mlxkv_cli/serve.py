@@ -32,6 +32,8 @@ def serve(
     cors: Annotated[Optional[list[str]], typer.Option(help="Allow browser requests from this origin (repeatable; default: none).")] = None,
     shutdown_timeout: Annotated[float, typer.Option(help="Seconds running requests get to finish on SIGINT/SIGTERM.")] = 30.0,
     prefix_cache_bytes: Annotated[str, typer.Option(help="RAM for the caches of earlier prompts, reused by requests that start with them, e.g. 4GB (0: off).")] = "0",
+    prefix_cache_dir: Annotated[Optional[str], typer.Option(help="Folder the prefix cache spills to (evicted prompts, and all it holds at a stop) and reads back, also across restarts (made if missing).")] = None,
+    prefix_cache_dir_bytes: Annotated[str, typer.Option(help="Bound on this server's files in --prefix-cache-dir (oldest removed first).")] = "8GiB",
     kv: KvOpt = None,
     kv_bits: KvBitsOpt = None,
     kv_group_size: KvGroupOpt = None,
@@ -57,6 +59,8 @@ def serve(
         max_tokens=max_tokens, prefill_chunk=prefill_chunk, model_name=served_model_name,
         cors=tuple(cors or ()), shutdown_timeout=shutdown_timeout,
         prefix_cache_bytes=parse_bytes(prefix_cache_bytes, "--prefix-cache-bytes"),
+        prefix_cache_dir=prefix_cache_dir,
+        prefix_cache_dir_bytes=parse_bytes(prefix_cache_dir_bytes, "--prefix-cache-dir-bytes"),
     )
     resolve_policy(config.kv)  # bad KV flags fail before any download
     fetch_model(model, offline)
@@ -65,6 +69,7 @@ def serve(
         shown = f"[{host}]" if ":" in host else host
         err.print(f"serving {served.name} on http://{shown}:{bound_port}/v1 | batch {batch_size} | "
                   f"KV {served.policy.label()} | KV budget {format_bytes(served.budget)}"
+                  f"{f' | prefix cache dir {prefix_cache_dir}' if prefix_cache_dir else ''}"
                   f"{' | API key required' if api_key else ''} (Ctrl+C stops)")
 
     run_server(config, on_ready=ready)

@@ -18,11 +18,13 @@ from pydantic import ValidationError
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException
 
+from .. import __version__
 from . import protocol as P
 from .errors import APIError, from_validation
 from .logprobs import chat_logprobs, completion_logprobs
 from .generation import Generation, Mailbox, answer, chat_events, completion_events
 from .metrics import render, snapshot
+from .openapi import install as install_openapi
 from .prompting import chat_ids, completion_ids
 from .requests import check_model, engine_requests
 from .served import Served
@@ -104,8 +106,9 @@ async def read_body(request: Request, limit: int) -> bytes:
 def create_app(worker: EngineWorker, served: Served) -> FastAPI:
     config = served.config
     state = ServeState(config.max_pending)
-    app = FastAPI(title="mlxkv", docs_url=None, redoc_url=None)
+    app = FastAPI(title="mlxkv", version=__version__, docs_url=None, redoc_url=None)
     app.state.serve = state
+    install_openapi(app, served.name)
     if config.api_key:
         app.add_middleware(APIKeyMiddleware, key=config.api_key)
     if config.cors:

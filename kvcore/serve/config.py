@@ -28,6 +28,8 @@ class ServeConfig:
     cors: tuple[str, ...] = ()
     shutdown_timeout: float = 30.0  # seconds running rows get to finish on SIGINT/SIGTERM
     prefix_cache_bytes: int = 0  # RAM for prompt caches reused by later requests (0: off)
+    prefix_cache_dir: str | None = None  # a folder the prefix cache spills to and reads back (None: off)
+    prefix_cache_dir_bytes: int = 8 * 2**30  # the folder's bound (this server's files)
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:
@@ -46,6 +48,10 @@ class ServeConfig:
             raise MlxkvError("--api-key must not be empty")
         if self.prefix_cache_bytes < 0:
             raise MlxkvError(f"--prefix-cache-bytes must be >= 0, got {self.prefix_cache_bytes}")
+        if self.prefix_cache_dir_bytes < 0:
+            raise MlxkvError(f"--prefix-cache-dir-bytes must be >= 0, got {self.prefix_cache_dir_bytes}")
+        if self.prefix_cache_dir is not None and not str(self.prefix_cache_dir).strip():
+            raise MlxkvError("--prefix-cache-dir must not be empty")
         if self.shutdown_timeout < 0:
             raise MlxkvError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")
 

@@ -59,7 +59,15 @@ def snapshot(engine) -> dict:
             "kv_budget_bytes": sch.kv_budget or 0, "batch_size": sch.batch_size,
             "prefix": None if prefix is None else {"entries": len(prefix.entries), "bytes": prefix.nbytes,
                                                    "capacity": prefix.capacity, "hits": prefix.hits,
-                                                   "lookups": prefix.lookups, "reused": prefix.reused_tokens}}
+                                                   "lookups": prefix.lookups, "reused": prefix.reused_tokens,
+                                                   "disk": _disk(prefix)}}
+
+
+def _disk(prefix) -> dict | None:
+    d = prefix.disk
+    return None if d is None else {"files": len(d.index), "bytes": d.nbytes, "capacity": d.capacity,
+                                   "hits": prefix.disk_hits, "writes": d.writes, "evictions": d.evictions,
+                                   "errors": d.errors}
 
 
 def render(m: EngineMetrics, gauges: dict, http: Counter, in_flight: int) -> str:
@@ -106,4 +114,15 @@ def render(m: EngineMetrics, gauges: dict, http: Counter, in_flight: int) -> str
         metric("prefix_cache_hits_total", "counter", "Rows that started from cached prompt tokens.", [("", p["hits"])])
         metric("prefix_cache_reused_tokens_total", "counter", "Prompt tokens not prefilled thanks to the cache.",
                [("", p["reused"])])
+    d = (p or {}).get("disk")
+    if d is not None:
+        for key, kind, text in (("files", "gauge", "Prompt cache files in --prefix-cache-dir (this server's)."),
+                                ("bytes", "gauge", "Bytes of those files."),
+                                ("capacity", "gauge", "Their bound (--prefix-cache-dir-bytes)."),
+                                ("hits", "counter", "Rows that started from a prompt read back from disk."),
+                                ("writes", "counter", "Prompts written to disk (evicted from RAM, or at a stop)."),
+                                ("evictions", "counter", "Files removed to stay within the bound."),
+                                ("errors", "counter", "Files that could not be written or read back (misses).")):
+            name = "prefix_cache_disk_" + ("capacity_bytes" if key == "capacity" else key)
+            metric(name + ("_total" if kind == "counter" else ""), kind, text, [("", d[key])])
     return "\n".join(lines) + "\n"

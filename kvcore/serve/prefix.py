@@ -9,6 +9,8 @@ restore(seq): on admission -> the entry sharing the longest prefix with its prom
 ```
 A second chat turn starts with the first turn's prompt, so it prefills only the reply and the new
 message. Entries are copies: the running rows mutate their own caches, never an entry.
+With a disk tier (spill.py), entries RAM evicts are written to it, and a lookup that finds a
+longer prefix on disk than in RAM loads that file back into RAM.
 """
 
 from __future__ import annotations
@@ -20,14 +22,16 @@ from typing import Callable
 import mlx.core as mx
 
 from ..engine.reuse import common_prefix, reuse_prefix
+from .spill import PrefixDisk
 
 MIN_REUSE = 4  # fewer shared tokens than this (a BOS, a template's header): prefill from scratch
 
 
 @dataclass
 class Entry:
-    layers: list  # per layer: (state arrays, meta_state)
+    layers: list  # per layer: (state, meta_state or None: mlx-lm's caches keep everything in state)
     nbytes: int
+    on_disk: bool = False  # a copy is in the disk tier already
 
 
 def _arrays(state) -> tuple:
@@ -40,12 +44,28 @@ def _copy(state):
     return out if isinstance(state, list) else tuple(out)
 
 
+def snapshot(caches: list, on_disk: bool = False) -> Entry:
+    layers = [(_copy(c.state), getattr(c, "meta_state", None)) for c in caches]
+    arrays = [a for state, _ in layers for a in _arrays(state) if isinstance(a, mx.array)]
+    mx.eval(arrays)
+    return Entry(layers, sum(a.nbytes for a in arrays), on_disk)
+
+
+def fill(caches: list, entry: Entry) -> list:
+    """Fresh `caches` (the runner's: its attention settings) holding a copy of `entry`."""
+    for c, (state, meta) in zip(caches, entry.layers):
+        c.state = _copy(state)
+        if meta is not None:
+            c.meta_state = meta
+    return caches
+
+
 class PrefixCache:
-    def __init__(self, capacity: int, new_caches: Callable[[], list]):
-        self.capacity, self.new_caches = capacity, new_caches
+    def __init__(self, capacity: int, new_caches: Callable[[], list], disk: PrefixDisk | None = None):
+        self.capacity, self.new_caches, self.disk = capacity, new_caches, disk
         self.entries: OrderedDict[tuple[int, ...], Entry] = OrderedDict()
         self.nbytes = 0
-        self.hits = self.lookups = self.reused_tokens = 0
+        self.hits = self.lookups = self.reused_tokens = self.disk_hits = 0
         self.reused: dict[str, int] = {}  # request id -> prompt tokens it reused (read once by the server)
 
     # -- the engine's hooks -----------------------------------------------------------
@@ -53,18 +73,26 @@ class PrefixCache:
         ids = list(seq.request.prompt_ids)
         self.lookups += 1
         key = max(self.entries, key=lambda k: common_prefix(k, ids), default=None)
-        if key is None or min(common_prefix(key, ids), len(ids) - 1) < MIN_REUSE:
+        shared = common_prefix(key, ids) if key is not None else 0
+        entry, from_disk = self.entries.get(key), False
+        if self.disk is not None and shared < len(ids) - 1:
+            dkey, dshared = self.disk.best(ids)
+            if dshared > shared and min(dshared, len(ids) - 1) >= MIN_REUSE:
+                loaded = self.disk.load(dkey)
+                if loaded is not None:
+                    key, shared, entry, from_disk = dkey, dshared, snapshot(loaded, on_disk=True), True
+                    self._keep(key, entry)
+        if entry is None or min(shared, len(ids) - 1) < MIN_REUSE:
             return
-        caches = self.new_caches()
-        for c, (state, meta) in zip(caches, self.entries[key].layers):
-            c.state = _copy(state)
-            c.meta_state = meta
+        caches = fill(self.new_caches(), entry)
         reuse = reuse_prefix(caches, list(key), ids)
         if reuse.blocked or reuse.kept < MIN_REUSE:
             return
-        self.entries.move_to_end(key)
+        if key in self.entries:
+            self.entries.move_to_end(key)
         seq.caches, seq.done_prompt = caches, reuse.kept
         self.hits += 1
+        self.disk_hits += from_disk
         self.reused_tokens += reuse.kept
         self.reused[seq.id] = reuse.kept
 
@@ -73,14 +101,26 @@ class PrefixCache:
         if key in self.entries:
             self.entries.move_to_end(key)
             return
-        layers = [(_copy(c.state), c.meta_state) for c in seq.caches]
-        arrays = [a for state, _ in layers for a in state if isinstance(a, mx.array)]
-        mx.eval(arrays)
-        nbytes = sum(a.nbytes for a in arrays)
-        if nbytes > self.capacity:
+        self._keep(key, snapshot(seq.caches))
+
+    def flush(self) -> None:
+        """Every entry RAM holds into the disk tier (on a clean stop), newest last."""
+        for key, entry in self.entries.items():
+            self._spill(key, entry)
+
+    # -- RAM LRU and disk tier ---------------------------------------------------------
+    def _keep(self, key: tuple[int, ...], entry: Entry) -> None:
+        if entry.nbytes > self.capacity:  # beyond RAM's bound: straight to disk, if there is one
+            self._spill(key, entry)
             return
-        self.entries[key] = Entry(layers, nbytes)
-        self.nbytes += nbytes
+        self.entries[key] = entry
+        self.nbytes += entry.nbytes
         while self.nbytes > self.capacity:
-            _, old = self.entries.popitem(last=False)
+            old_key, old = self.entries.popitem(last=False)
             self.nbytes -= old.nbytes
+            self._spill(old_key, old)
+
+    def _spill(self, key: tuple[int, ...], entry: Entry) -> None:
+        if self.disk is not None and not entry.on_disk:
+            self.disk.save(key, fill(self.new_caches(), entry), entry.nbytes)
+            entry.on_disk = True

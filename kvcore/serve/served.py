@@ -13,7 +13,9 @@ from ..models import trained_context
 from ..policy import KVPolicy, resolve_policy
 from ..run_batch import BatchOptions, admission
 from .config import ServeConfig
+from ..store import model_fingerprint
 from .prefix import PrefixCache
+from .spill import PrefixDisk, serve_fingerprint
 
 
 @dataclass
@@ -49,8 +51,13 @@ class Served:
         c = self.config
         engine = Engine(self.lm.model, self.lm.tokenizer, self.policy, c.batch_size,
                         GenerateConfig(prefill_chunk=c.prefill_chunk), kv_budget=self.budget, batch_need=self.need)
-        if c.prefix_cache_bytes:
-            engine.prefix = PrefixCache(c.prefix_cache_bytes, engine.runner.new_caches)
+        if c.prefix_cache_bytes or c.prefix_cache_dir:
+            disk = None
+            if c.prefix_cache_dir:
+                fp = serve_fingerprint(model_fingerprint(self.lm.model, self.lm.tokenizer, self.lm.config), c.dtype,
+                                       engine.runner.new_caches())
+                disk = PrefixDisk(c.prefix_cache_dir, c.prefix_cache_dir_bytes, fp)
+            engine.prefix = PrefixCache(c.prefix_cache_bytes, engine.runner.new_caches, disk)
         return engine
 
 

@@ -205,3 +205,5 @@ class EngineWorker:
             self.engine.abort(rid)
         self._sweep()
         self._fail_all(APIError(503, "the server is shutting down", code="shutting_down"))
+        if self.engine.prefix is not None:
+            self.engine.prefix.flush()  # what RAM holds into the disk tier, for the next server

@@ -1,0 +1,164 @@
+"""The prefix cache's disk tier (`--prefix-cache-dir`): prompt caches the RAM LRU evicts (and, on a
+clean stop, those it still holds) written as mlxkv cache files (kvcore.store: checksummed,
+atomic), looked up by longest token prefix when RAM has nothing as long, bounded by bytes.
+
+```
+DIR/{tag}-{sha256(prompt ids)[:32]}.kv      tag = sha256(fingerprint)[:16]
+fingerprint = the model's (store.model_fingerprint) + the served dtype + the empty caches' layouts
+```
+A server only reads and evicts files of its own tag, so one folder can serve several models and
+KV policies, and a second server process over the folder reuses the first one's prompts. Files
+are indexed by the prompt ids they record (read from the header alone); a file is checked in full
+(every checksum, the fingerprint) when it is used. Other processes may add or evict files at any
+time: the folder is listed again on each lookup, and a file that vanished or fails its checks
+is a miss. Writes happen on the engine thread (a file of one prompt's compressed caches).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from pathlib import Path
+
+from ..engine.reuse import common_prefix
+from ..errors import MlxkvError
+from ..store import open_cache_file, save_cache
+from ..store.atomic import check_writable
+from ..store.file import META_KEY, PREFIX
+from ..store.layers import kind_of_cache
+from ..store.safetensors import open_container
+
+SUFFIX = ".kv"
+
+
+def _sha(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode()).hexdigest()
+
+
+def serve_fingerprint(model_fp: dict, dtype: str | None, empty_caches: list) -> dict:
+    """The model's fingerprint plus what else makes two servers' caches interchangeable."""
+    layouts = [kind_of_cache(c).write(c)[0] for c in empty_caches]
+    return {**model_fp, "serve_dtype": dtype or "model", "serve_layout_sha256": _sha(layouts)}
+
+
+def open_folder(folder: str | Path) -> Path:
+    """The folder, made if missing; a one-line error if it cannot be written."""
+    path = Path(folder).expanduser()
+    if path.exists() and not path.is_dir():
+        raise MlxkvError(f"--prefix-cache-dir {path}: not a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise MlxkvError(f"--prefix-cache-dir {path}: cannot create it ({e.strerror or e})") from None
+    check_writable(path, path)
+    return path
+
+
+class PrefixDisk:
+    def __init__(self, folder: str | Path, capacity: int, fingerprint: dict):
+        self.folder, self.capacity, self.fingerprint = open_folder(folder), capacity, fingerprint
+        self.tag = _sha(fingerprint)[:16]
+        self.index: dict[tuple[int, ...], tuple[Path, int]] = {}  # prompt ids -> (file, size)
+        self._names: dict[str, tuple[int, ...] | None] = {}  # file name -> its ids (None: unreadable)
+        self.writes = self.loads = self.errors = self.evictions = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(size for _, size in self.index.values())
+
+    def path_for(self, ids: tuple[int, ...]) -> Path:
+        digest = hashlib.sha256(struct.pack(f"<{len(ids)}i", *ids)).hexdigest()[:32]
+        return self.folder / f"{self.tag}-{digest}{SUFFIX}"
+
+    # -- the folder, as other processes left it -----------------------------------------------
+    def rescan(self) -> None:
+        try:
+            found = {e.name: e.stat().st_size for e in os.scandir(self.folder)
+                     if e.name.startswith(self.tag + "-") and e.name.endswith(SUFFIX) and e.is_file()}
+        except OSError:
+            found = {}
+        for name in list(self._names):
+            if name not in found:
+                ids = self._names.pop(name)
+                if ids is not None:
+                    self.index.pop(ids, None)
+        for name, size in found.items():
+            if name not in self._names:
+                ids = self._peek(self.folder / name)
+                self._names[name] = ids
+                if ids is not None:
+                    self.index[ids] = (self.folder / name, size)
+
+    def _peek(self, path: Path) -> tuple[int, ...] | None:
+        """The prompt ids a file records, from its header (None: not one of ours, or damaged)."""
+        try:
+            c = open_container(path)
+            doc = json.loads(c.metadata.get(META_KEY, "null"))
+            t = c.tensors.get(PREFIX)
+            if not isinstance(doc, dict) or doc.get("model") != self.fingerprint or t is None or t.dtype != "int32":
+                return None
+            return tuple(struct.unpack(f"<{t.nbytes // 4}i", c.read(t)))
+        except (MlxkvError, ValueError, RecursionError, struct.error):
+            return None
+
+    # -- lookups and writes ------------------------------------------------------------------
+    def best(self, ids: list[int]) -> tuple[tuple[int, ...], int]:
+        """The indexed prompt sharing the longest prefix with `ids`, and that length."""
+        self.rescan()
+        key = max(self.index, key=lambda k: common_prefix(k, ids), default=None)
+        return (key, common_prefix(key, ids)) if key is not None else ((), 0)
+
+    def load(self, ids: tuple[int, ...]) -> list | None:
+        """The caches of that file (fully checked), or None (vanished, damaged, not ours)."""
+        path, _ = self.index[ids]
+        try:
+            cf = open_cache_file(path)
+            if cf.fingerprint != self.fingerprint or tuple(cf.prefix_ids) != ids:
+                raise MlxkvError("not this server's prompt")
+            caches = cf.restore()
+            os.utime(path)  # the newest file now, for eviction
+        except (MlxkvError, OSError):
+            self.errors += 1
+            self.index.pop(ids, None)
+            return None
+        self.loads += 1
+        return caches
+
+    def save(self, ids: tuple[int, ...], caches: list, nbytes: int) -> None:
+        """Write one prompt's caches (not if they alone exceed the bound), then evict the oldest
+        files beyond it."""
+        if nbytes > self.capacity or ids in self.index:
+            return
+        path = self.path_for(ids)
+        try:
+            size = save_cache(path, caches, list(ids), self.fingerprint)
+        except (MlxkvError, OSError):
+            self.errors += 1
+            return
+        self.writes += 1
+        self._names[path.name] = ids
+        self.index[ids] = (path, size)
+        self._evict(keep=path)
+
+    def _evict(self, keep: Path) -> None:
+        def mtime(p: Path) -> float:
+            try:
+                return p.stat().st_mtime
+            except OSError:
+                return 0.0
+
+        by_age = sorted((mtime(p), ids) for ids, (p, _) in self.index.items() if p != keep)
+        for _, ids in by_age:
+            if self.nbytes <= self.capacity:
+                return
+            path, _ = self.index.pop(ids)
+            self._names.pop(path.name, None)
+            try:
+                path.unlink()
+                self.evictions += 1
+            except FileNotFoundError:
+                pass
+            except OSError:
+                self.errors += 1
