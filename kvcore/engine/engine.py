@@ -23,6 +23,7 @@ import mlx.nn as nn
 
 from ..attention.config import DEFAULT as DEFAULT_ATTENTION
 from ..attention.config import AttentionConfig
+from ..errors import MlxkvError
 from ..policy import KVPolicy
 from .decode import PlainDecode
 from .forward import DEFAULT_PREFILL_CHUNK
@@ -126,7 +127,14 @@ class Engine:
         return events
 
     def run(self, requests: list[Request]) -> list[Completion]:
+        """These requests' completions, in order (a run's own: ids may repeat across runs, not in one)."""
+        seen: set[str] = set()
+        for r in requests:
+            if r.id in seen:
+                raise MlxkvError(f"request id {r.id!r} appears twice in one run: each row needs its own id")
+            seen.add(r.id)
         self.reset()
+        self.done.clear()  # a reused id must get this run's completion, not an earlier run's
         for r in requests:
             self.add_request(r)
         while self.has_work:
@@ -184,7 +192,7 @@ class Engine:
         return []
 
     def _finished(self, seq: Sequence) -> None:
-        if seq.id in self.done:
+        if self.done.get(seq.id) is seq.out:  # reported already (aborted, then dropped)
             return
         self.done[seq.id] = seq.out
         if self.on_finish:
