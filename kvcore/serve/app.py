@@ -21,11 +21,10 @@ from starlette.exceptions import HTTPException
 from .. import __version__
 from . import protocol as P
 from .errors import APIError, from_validation
-from .logprobs import chat_logprobs, completion_logprobs
-from .generation import Generation, Mailbox, answer, chat_events, completion_events
+from .endpoints import CHAT, TEXT, Endpoint
+from .generation import Generation, Mailbox, answer, events
 from .metrics import render, snapshot
 from .openapi import install as install_openapi
-from .prompting import chat_ids, completion_ids
 from .requests import check_model, engine_requests
 from .served import Served
 from .worker import EngineWorker
@@ -140,7 +139,7 @@ def create_app(worker: EngineWorker, served: Served) -> FastAPI:
         if not worker.alive:
             raise APIError(503, "the engine has stopped", code="engine_stopped")
         state.enter(len(rows))
-        gen = Generation(worker, rows, lambda: state.leave(len(rows)), state.mailbox())
+        gen = Generation(worker, rows, lambda: state.leave(len(rows)), state.mailbox(), body)
         try:
             await gen.accepted()
         except BaseException:
@@ -148,42 +147,29 @@ def create_app(worker: EngineWorker, served: Served) -> FastAPI:
             raise
         return gen
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        body = await parse(request, P.ChatRequest)
-        rid = P.new_id("chatcmpl")
-        gen = await start(body, chat_ids(served.tokenizer, body.messages), rid)
-        include = bool(body.stream_options and body.stream_options.include_usage)
+    async def complete(request: Request, ep: Endpoint):
+        body = await parse(request, ep.body)
+        rid = P.new_id(ep.id_prefix)
+        gen = await start(body, ep.prompt(served, body), rid)
         if body.stream:
-            return EventSourceResponse(chat_events(gen, rid, served.name, include), ping=15)
+            include = bool(body.stream_options and body.stream_options.include_usage)
+            return EventSourceResponse(events(gen, rid, served.name, include, ep), ping=15)
         try:
             cs = await answer(gen, request.receive)
         finally:
             gen.close()
         if cs is None:
             return Response(status_code=499)
-        choices = [P.chat_choice(i, c.text, c.finish_reason, None if c.logprobs is None else
-                                 chat_logprobs(served.tokenizer, c.token_ids, c.logprobs)) for i, c in enumerate(cs)]
-        return P.chat_response(rid, served.name, choices, gen.usage())
+        return P.response(ep.obj, rid, served.name, [ep.choice(served, body, i, c) for i, c in enumerate(cs)],
+                          gen.usage())
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await complete(request, CHAT)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await parse(request, P.CompletionRequest)
-        rid = P.new_id("cmpl")
-        gen = await start(body, completion_ids(served.tokenizer, body.prompt, served.vocab), rid)
-        include = bool(body.stream_options and body.stream_options.include_usage)
-        if body.stream:
-            return EventSourceResponse(completion_events(gen, rid, served.name, include), ping=15)
-        try:
-            cs = await answer(gen, request.receive)
-        finally:
-            gen.close()
-        if cs is None:
-            return Response(status_code=499)
-        choices = [P.completion_choice(i, c.text, c.finish_reason, None if c.logprobs is None else
-                                       completion_logprobs(served.tokenizer, c.token_ids, c.logprobs))
-                   for i, c in enumerate(cs)]
-        return P.completion_response(rid, served.name, choices, gen.usage())
+        return await complete(request, TEXT)
 
     def model_card() -> dict:
         return {"id": served.name, "object": "model", "created": state.started, "owned_by": "mlxkv"}

@@ -46,8 +46,9 @@ class Mailbox:
 
 
 class Generation:
-    def __init__(self, worker: EngineWorker, requests: list[Request], on_close: Callable[[], None], box: Mailbox):
-        self.worker, self.requests, self.on_close = worker, requests, on_close
+    def __init__(self, worker: EngineWorker, requests: list[Request], on_close: Callable[[], None], box: Mailbox,
+                 body=None):
+        self.worker, self.requests, self.on_close, self.body = worker, requests, on_close, body
         self.queue: asyncio.Queue = asyncio.Queue()  # (choice index, item)
         self.completions: list[Completion | None] = [None] * len(requests)
         self.cached = [0] * len(requests)  # prompt tokens each row reused from the prefix cache
@@ -129,35 +130,26 @@ def _data(obj) -> dict:
     return {"data": json.dumps(obj, separators=(",", ":"))}
 
 
-async def chat_events(gen: Generation, rid: str, model: str, include_usage: bool) -> AsyncIterator[dict]:
+async def events(gen: Generation, rid: str, model: str, include_usage: bool, endpoint) -> AsyncIterator[dict]:
+    """The request's SSE items: each choice's deltas as the endpoint's stream makes them
+    (endpoints.py), the usage chunk if asked, then [DONE]."""
     created = P.now()
+    stream = endpoint.stream(gen.body, len(gen.requests))
+
+    def items(deltas: list[dict]):
+        return [_data(P.chunk(endpoint.chunk_obj, rid, model, created, d)) for d in deltas]
+
     try:
         for i in range(len(gen.requests)):
-            yield _data(P.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, index=i))
+            for item in items(stream.start(i)):
+                yield item
         async for i, item in gen.items():
-            if isinstance(item, Completion):
-                yield _data(P.chat_chunk(rid, model, created, {}, item.finish_reason, index=i))
-            elif item.text:
-                yield _data(P.chat_chunk(rid, model, created, {"content": item.text}, index=i))
+            deltas = stream.end(i, item.finish_reason) if isinstance(item, Completion) else \
+                stream.text(i, item.text) if item.text else []
+            for out in items(deltas):
+                yield out
         if include_usage:
-            yield _data(P.chat_chunk(rid, model, created, {}, use=gen.usage()))
-        yield {"data": "[DONE]"}
-    except APIError as e:
-        yield _data(e.to_json())
-    finally:
-        gen.close()
-
-
-async def completion_events(gen: Generation, rid: str, model: str, include_usage: bool) -> AsyncIterator[dict]:
-    created = P.now()
-    try:
-        async for i, item in gen.items():
-            if isinstance(item, Completion):
-                yield _data(P.completion_chunk(rid, model, created, "", item.finish_reason, index=i))
-            elif item.text:
-                yield _data(P.completion_chunk(rid, model, created, item.text, index=i))
-        if include_usage:
-            yield _data(P.completion_chunk(rid, model, created, "", use=gen.usage()))
+            yield _data(P.chunk(endpoint.chunk_obj, rid, model, created, use=gen.usage()))
         yield {"data": "[DONE]"}
     except APIError as e:
         yield _data(e.to_json())

@@ -106,42 +106,19 @@ def usage(prompt: int, completion: int, cached: int = 0) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def chat_choice(index: int, text: str, finish: str, logprobs: dict | None = None) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-            "finish_reason": FINISH.get(finish, finish)}
+def response(obj: str, rid: str, model: str, choices: list[dict], use: dict) -> dict:
+    """A whole answer: `obj` "chat.completion" or "text_completion"."""
+    return {"id": rid, "object": obj, "created": now(), "model": model, "choices": choices, "usage": use}
 
 
-def chat_response(rid: str, model: str, choices: list[dict], use: dict) -> dict:
-    return {"id": rid, "object": "chat.completion", "created": now(), "model": model, "choices": choices,
-            "usage": use}
-
-
-def chat_chunk(rid: str, model: str, created: int, delta: dict, finish: str | None = None,
-               use: dict | None = None, index: int = 0) -> dict:
-    choices = [] if use is not None else [{"index": index, "delta": delta, "logprobs": None,
-                                           "finish_reason": FINISH.get(finish, finish) if finish else None}]
-    out: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                           "choices": choices}
+def chunk(obj: str, rid: str, model: str, created: int, choice: dict | None = None, use: dict | None = None) -> dict:
+    """One server-sent event: a choice's delta, or (with `use`) the final usage chunk (no choices)."""
+    out: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": model,
+                           "choices": [] if choice is None else [choice]}
     if use is not None:
         out["usage"] = use
     return out
 
 
-def completion_choice(index: int, text: str, finish: str, logprobs: dict | None = None) -> dict:
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": FINISH.get(finish, finish)}
-
-
-def completion_response(rid: str, model: str, choices: list[dict], use: dict) -> dict:
-    return {"id": rid, "object": "text_completion", "created": now(), "model": model, "choices": choices,
-            "usage": use}
-
-
-def completion_chunk(rid: str, model: str, created: int, text: str, finish: str | None = None,
-                     use: dict | None = None, index: int = 0) -> dict:
-    choices = [] if use is not None else [{"index": index, "text": text, "logprobs": None,
-                                           "finish_reason": FINISH.get(finish, finish) if finish else None}]
-    out: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created, "model": model,
-                           "choices": choices}
-    if use is not None:
-        out["usage"] = use
-    return out
+def finish(reason: str | None) -> str | None:
+    return FINISH.get(reason, reason) if reason else None

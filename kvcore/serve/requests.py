@@ -9,7 +9,7 @@ from dataclasses import fields, replace
 from ..engine import Request, SamplingConfig
 from ..errors import MlxkvError
 from .errors import APIError, bad_request
-from .protocol import ChatRequest, CompletionRequest
+from .protocol import ChatRequest
 from .served import Served
 
 _ENGINE_FIELDS = {f.name for f in fields(SamplingConfig)}
