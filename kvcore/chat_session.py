@@ -12,13 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import mlx.core as mx
-
 from .attention.hook import bind
-from .engine import Completion, Request, SamplingConfig, Sequence, kv_summary
+from .engine import Completion, GenerateConfig, Request, SamplingConfig, generate_one, kv_summary
 from .engine.chat import conversation, held_ids, load_conversation, render, save_conversation, turn_delta
-from .engine.forward import DEFAULT_PREFILL_CHUNK, cache_offset, prefill
-from .engine.generate import _row_sampler, decode_tokens
+from .engine.forward import DEFAULT_PREFILL_CHUNK, cache_offset
 from .engine.prompt import encode_continuation
 from .engine.reuse import reuse_prefix
 from .errors import MlxkvError
@@ -70,34 +67,15 @@ class ChatSession:
     def ask(self, text: str, on_text: Callable[[str], None] | None = None, max_tokens: int | None = None) -> Turn:
         """Answer `text`; a KeyboardInterrupt stops the answer (finish reason "abort"), not the session."""
         context = self.context_for(text)
-        seq = Sequence(Request(tuple(context), max_tokens or self.max_tokens), self.lm.tokenizer, self.sampling)
-        model, kept, feed = self.lm.model, 0, context
-        try:
-            kept = self._reuse(context)
-            feed = context[kept:]
-            seq.out.prompt_tokens = len(feed)
-            logits = prefill(model, feed, self.caches, self.chunk)
-            mx.eval(logits)
-            seq.started()
-            if not seq.finished:
-                for tok in decode_tokens(model, self.caches, logits, _row_sampler(seq), seq.request.max_tokens,
-                                         seq.constraint is None):
-                    event = seq.take(tok)
-                    if on_text and event.text:
-                        on_text(event.text)
-                    if seq.finished:
-                        break
-            if not seq.finished:
-                seq.finish("length")
-        except KeyboardInterrupt:
-            event = seq.finish("abort")
-            if on_text and event.text:
-                on_text(event.text)
-        self._settle(context, seq.out)
+        kept = self._reuse(context)
+        out = generate_one(self.lm.model, self.lm.tokenizer, Request(tuple(context), max_tokens or self.max_tokens),
+                           self.caches, GenerateConfig(self.sampling, self.chunk), on_text, held=kept,
+                           interruptible=True)
+        self._settle(context, out)
         if self.messages is not None:
-            self.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": seq.out.text}]
+            self.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": out.text}]
         self.turns += 1
-        self.last = Turn(seq.out, kept, len(feed))
+        self.last = Turn(out, kept, len(context) - kept)
         return self.last
 
     def _reuse(self, context: list[int]) -> int:

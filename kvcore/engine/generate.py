@@ -1,7 +1,8 @@
 """One row's generation on caches the caller owns (gpt-fast's loop): prefill, then decode.
 
-Used where a single row continues from caches built elsewhere (a loaded cache file). Token
-finishing (EOS, stop strings, length) is the Sequence's, as in the batch engine.
+Used where a single row continues from caches built elsewhere (a loaded cache file, a chat's
+previous turns). Token finishing (EOS, stop strings, length) is the Sequence's, as in the batch
+engine.
 """
 
 from __future__ import annotations
@@ -25,22 +26,26 @@ def decode_tokens(model: nn.Module, caches: list, logits: mx.array, sample: Call
     """Sample from `logits` (1, V), then keep feeding each sampled token back; yields n read-back
     samples (a token id, or a packed row with its logprobs: `Sequence.take` reads either).
 
-    The next step is queued (async_eval) before the current token is read back; not `pipelined`
-    (a constrained row: the next mask needs this token), it is built once the caller took it.
+    The next step is queued (async_eval) before the current token is read back. Not `pipelined`
+    (a constrained row: the next mask needs this token), the next forward is queued right after
+    the read-back and its sampling built once the caller took the token, so the mask is computed
+    while that forward runs.
     """
     y = sample(logits)
-    mx.async_eval(y)
-    for i in range(n if pipelined else 0):
+    if pipelined:
+        mx.async_eval(y)
+    for i in range(n):
         nxt = None
-        if i + 1 < n:
+        if pipelined and i + 1 < n:
             nxt = sample(forward(model, token_column(y), caches)[:, -1, :])
             mx.async_eval(nxt)
-        yield y.tolist()[0]
-        y = nxt
-    for i in range(0 if pipelined else n):
-        yield y.tolist()[0]
-        if i + 1 < n:
-            y = sample(forward(model, token_column(y), caches)[:, -1, :])
+        elif i + 1 < n:
+            nxt = forward(model, token_column(y), caches)[:, -1, :]  # built now, queued after the read-back
+        tok = y.tolist()[0]
+        if not pipelined and nxt is not None:
+            mx.async_eval(nxt)
+        yield tok
+        y = nxt if pipelined or nxt is None else sample(nxt)
 
 
 def _row_sampler(seq: Sequence) -> Callable:
@@ -56,20 +61,35 @@ def _row_sampler(seq: Sequence) -> Callable:
 
 def generate_one(model: nn.Module, tokenizer, request: Request, caches: list,
                  config: GenerateConfig = GenerateConfig(),
-                 on_text: Callable[[str], None] | None = None) -> Completion:
-    """Generate one completion into `caches`; `on_text` receives text as it becomes final."""
+                 on_text: Callable[[str], None] | None = None, held: int = 0,
+                 interruptible: bool = False) -> Completion:
+    """Generate one completion into `caches`; `on_text` receives text as it becomes final.
+
+    `held`: how many of the prompt's first tokens the caches already hold (only the rest is
+    prefilled and counted as prompt tokens). `interruptible`: a KeyboardInterrupt ends the row
+    ("abort", with the text so far) instead of propagating.
+    """
     seq = Sequence(request, tokenizer, config.sampling)
-    logits = prefill(model, list(request.prompt_ids), caches, config.prefill_chunk)
-    mx.eval(logits)
-    seq.started()
-    if not seq.finished:
-        for tok in decode_tokens(model, caches, logits, _row_sampler(seq), request.max_tokens,
-                                 seq.constraint is None):
-            event = seq.take(tok)
-            if on_text and event.text:
-                on_text(event.text)
-            if seq.finished:
-                break
-    if not seq.finished:
-        seq.finish("length")
+    feed = list(request.prompt_ids[held:])
+    seq.out.prompt_tokens = len(feed)
+    try:
+        logits = prefill(model, feed, caches, config.prefill_chunk)
+        mx.eval(logits)
+        seq.started()
+        if not seq.finished:
+            for tok in decode_tokens(model, caches, logits, _row_sampler(seq), request.max_tokens,
+                                     seq.constraint is None):
+                event = seq.take(tok)
+                if on_text and event.text:
+                    on_text(event.text)
+                if seq.finished:
+                    break
+        if not seq.finished:
+            seq.finish("length")
+    except KeyboardInterrupt:
+        if not interruptible:
+            raise
+        event = seq.finish("abort")
+        if on_text and event.text:
+            on_text(event.text)
     return seq.out
