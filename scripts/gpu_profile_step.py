@@ -52,7 +52,7 @@ def step(kind: str, caches, q):
         k = x[:, :HKV].astype(mx.bfloat16)
         if kind.endswith("update"):
             view, _ = c.update_and_fetch(k, k)
-            x = x + 1e-3 * (view.segments[0].keys[0].sum() if hasattr(view, "segments") else 0)
+            x = x + 1e-3 * (view.segments[0].parts()[0][0].sum() if hasattr(view, "segments") else 0)
             continue
         keys, values = c.update_and_fetch(k, k)
         if kind.startswith("mlx-lm"):

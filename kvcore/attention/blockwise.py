@@ -60,8 +60,7 @@ def kv_attention(q: mx.array, view: KVView, scale: float, sinks: mx.array | None
     if one_encoded and cfg.qmm and qmm.applies(q, segs[0].key_codec, segs[0].value_codec, False):
         _count(stats, "qmm")
         mask = None if view.n_queries == 1 else segs[0].visible(view.q_positions, 0, segs[0].length, None, 0)
-        return qmm.qmm_attention(q, segs[0].keys, segs[0].values, segs[0].key_codec, segs[0].value_codec,
-                                 scale, mask, sinks)
+        return qmm.qmm_attention(q, *segs[0].parts(), segs[0].key_codec, segs[0].value_codec, scale, mask, sinks)
     if cfg.block is None:  # one fused call over a layer-sized scratch, if it fits the budget
         out = prefill.fused_attention(q, view, scale, sinks, cfg.scratch_limit)
         if out is not None:

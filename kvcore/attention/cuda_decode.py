@@ -153,6 +153,12 @@ def _rotation_ok(rotation, *codecs) -> bool:
     return all(rotation is None or getattr(c, "rotation", None) is rotation for c in codecs if c is not None)
 
 
+def _joint_sides(joint) -> tuple[tuple, tuple]:
+    """Key and value arrays of joint storage, read in place by strides: the kernel's grid covers
+    heads [0, H), so the whole arrays serve as the keys and a head-offset view as the values."""
+    return joint.arrays, tuple(a[:, joint.heads :] for a in joint.arrays)
+
+
 def view_launches(q: mx.array, view) -> list[Launch] | None:
     """A KVView's segments as launches, or None where one is not covered."""
     B, N = q.shape[0], q.shape[2]
@@ -169,7 +175,8 @@ def view_launches(q: mx.array, view) -> list[Launch] | None:
         if seg.kind == ENCODED:
             if seg.block_tokens != 1 or not _rotation_ok(seg.rotation, seg.key_codec, seg.value_codec):
                 return None
-            sides = _sides(seg.key_codec, seg.value_codec, seg.keys, seg.values, (view.head_dim, view.value_dim),
+            keys, values = (seg.keys, seg.values) if seg.joint is None else _joint_sides(seg.joint)
+            sides = _sides(seg.key_codec, seg.value_codec, keys, values, (view.head_dim, view.value_dim),
                            seg.rotation is not None)
         else:
             k, v = seg.keys, seg.values
@@ -186,8 +193,9 @@ def packed_launches(q: mx.array, view) -> list[Launch] | None:
     """A PackedView (rows of one layer in shared buffers (B, H, capacity, ...)) as one launch."""
     if not _rotation_ok(view.rotation, view.key_codec, view.value_codec):
         return None
-    sides = _sides(view.key_codec, view.value_codec, view.key_parts, view.value_parts,
-                   (view.head_dim, view.value_dim), view.rotation is not None)
+    keys, values = (view.key_parts, view.value_parts) if view.joint is None else _joint_sides(view.joint)
+    sides = _sides(view.key_codec, view.value_codec, keys, values, (view.head_dim, view.value_dim),
+                   view.rotation is not None)
     if sides is None:
         return None
     qs = view.q_start.astype(mx.int32)

@@ -191,6 +191,10 @@ def after(seg, q_pos: mx.array, deps: list):
     """(seg, q_pos) whose arrays are read only once `deps` are computed (none: as they are)."""
     if not deps:
         return seg, q_pos
+    if seg.joint is not None:
+        arrays = seg.joint.arrays
+        out = mx.depends([*arrays, q_pos], deps)
+        return replace(seg, joint=replace(seg.joint, arrays=tuple(out[:-1]))), out[-1]
     keys, values = _tuple(seg.keys), _tuple(seg.values)
     out = mx.depends([*keys, *values, q_pos], deps)
     k, v = out[: len(keys)], out[len(keys) : -1]

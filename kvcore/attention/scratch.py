@@ -28,7 +28,8 @@ import mlx.core as mx
 from ..backend import backend_name
 from ..cache.view import DENSE, ENCODED, SHADOW, KVView
 
-UNKNOWN_WORKSPACE = 8.0  # a codec this table does not know: a generous bound
+UNKNOWN_WORKSPACE = 8.0
+DECODE_QUERIES = 8  # queries of a decode or verify step  # a codec this table does not know: a generous bound
 
 
 def workspace_factor(codec, dtype: mx.Dtype) -> float:
@@ -117,8 +118,8 @@ def decoded(view: KVView, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
     """The view's stored tokens as dense (B, H, T, D) keys and (B, H, T, Dv) values: one
     decode call for a one-segment view, else each segment decoded and concatenated."""
     segs = view.segments
-    if len(segs) == 1:
-        return segs[0].dense(0, segs[0].length, dtype)
+    if len(segs) == 1:  # decode steps may read a joint buffer whole (its spare is at most a growth step)
+        return segs[0].dense(0, segs[0].length, dtype, spare_ok=view.n_queries <= DECODE_QUERIES)
     parts = [s.dense(0, s.length, dtype) for s in segs]
     return mx.concatenate([k for k, _ in parts], axis=2), mx.concatenate([v for _, v in parts], axis=2)
 

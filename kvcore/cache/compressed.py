@@ -24,8 +24,8 @@ from mlx_lm.models.cache import _BaseCache
 from ..attention.config import DEFAULT as DEFAULT_ATTENTION
 from ..attention.config import AttentionConfig, AttentionStats
 from ..codecs import CodecSpec, make_codec
-from .buffer import Buffer
-from .view import DENSE, ENCODED, SHADOW, KVView, Segment
+from .buffer import STEP, Buffer
+from .view import DENSE, ENCODED, SHADOW, Joint, KVView, Segment
 
 TRIM_STEP = 128  # a multiple of every block size, so dropping never splits a block
 CONVERT_PIECE = 4096  # tokens encoded per call when a layer's stored tokens are converted at once
@@ -69,6 +69,7 @@ class CompressedKVCache(_BaseCache):
         self.tail = Buffer()  # dense (k, v), positions [tail_start, offset)
         self.enc_start = self.tail_start = self.keep
         self._dims = None  # (B, H, D, Dv, dtype)
+        self.joint = False  # K and V in one set of encoded arrays (view.Joint): one codec serves both
         self._fresh = None  # dense (k, v, position) of the blocks the last update encoded
         self.attention = attention  # how attention reads this cache (carried by its views)
         self.stats = stats if stats is not None else AttentionStats()  # shared by one cache set
@@ -81,13 +82,30 @@ class CompressedKVCache(_BaseCache):
     def _ensure_codecs(self, keys: mx.array, values: mx.array) -> None:
         if self._dims is None:
             B, H, _, D = keys.shape
-            self._dims = (B, H, D, values.shape[-1], keys.dtype)
-            self.key_codec = make_codec(self.key_spec, D)
-            self.value_codec = make_codec(self.value_spec, values.shape[-1])
-            bt = {c.block_tokens for c in (self.key_codec, self.value_codec) if c}
-            if len(bt) > 1:
-                raise ValueError("key and value codecs must use the same block size")
-            self.enc.step = max(1, self.enc.step // self.block_tokens)  # grow by ~256 tokens
+            self._configure((B, H, D, values.shape[-1], keys.dtype))
+
+    def _configure(self, dims: tuple) -> None:
+        """Dimensions (B, H, D, Dv, dtype) -> codecs and the encoded layout."""
+        self._dims = dims
+        _, _, D, Dv, _ = dims
+        self.key_codec = make_codec(self.key_spec, D)
+        self.value_codec = make_codec(self.value_spec, Dv)
+        bt = {c.block_tokens for c in (self.key_codec, self.value_codec) if c}
+        if len(bt) > 1:
+            raise ValueError("key and value codecs must use the same block size")
+        self.enc.step = max(1, STEP // self.block_tokens)  # grow by ~256 tokens
+        self.joint = (D == Dv and self.key_spec == self.value_spec and self.key_codec is not None
+                      and getattr(self.key_codec, "joint", False))
+
+    def _encode(self, keys: mx.array, values: mx.array) -> tuple:
+        """The encoded parts of these tokens as the buffer stores them."""
+        if self.joint:
+            parts = self.key_codec.encode(mx.concatenate([keys, values], axis=1))
+            self._n_key_parts = len(parts)
+            return parts
+        ek = self.key_codec.encode(keys)
+        self._n_key_parts = len(ek)
+        return (*ek, *self.value_codec.encode(values))
 
     @property
     def lag(self) -> int:
@@ -114,11 +132,9 @@ class CompressedKVCache(_BaseCache):
         self._fresh = None
         if self._direct:  # the decode hot path: the same storage as below, in fewer steps
             q_start = self.offset
-            ek = self.key_codec.encode(keys)
-            self._n_key_parts = len(ek)
             if not self.enc.n:
                 self.enc_start = q_start
-            self.enc.append((*ek, *self.value_codec.encode(values)))
+            self.enc.append(self._encode(keys, values))
             self.offset += keys.shape[2]
             self.tail_start = self.offset
             view = self._view(q_start, keys.shape[2], None)
@@ -170,9 +186,7 @@ class CompressedKVCache(_BaseCache):
         k, v = self.tail.get(0, nb * bt)
         if not self.enc.n:
             self.enc_start = self.tail_start
-        ek = self.key_codec.encode(k)
-        self._n_key_parts = len(ek)
-        self.enc.append((*ek, *self.value_codec.encode(v)))
+        self.enc.append(self._encode(k, v))
         self.tail.drop_front(nb * bt)
         self.tail_start += nb * bt
         if bt == 1 and not self.recent:
@@ -195,9 +209,7 @@ class CompressedKVCache(_BaseCache):
             self.enc.reserve((self.tail.n - self.recent) // bt)
             while self.tail.n - self.recent > step:
                 k, v = self.tail.get(0, step)
-                ek = self.key_codec.encode(k)
-                self._n_key_parts = len(ek)
-                self.enc.append((*ek, *self.value_codec.encode(v)))
+                self.enc.append(self._encode(k, v))
                 self.tail.drop_front(step)
                 self.tail_start += step
                 mx.eval(self.enc.parts)
@@ -210,12 +222,14 @@ class CompressedKVCache(_BaseCache):
             k, v = self.sink.get()
             segs.append(Segment(DENSE, k, v, 0, self.sink.n))
         if self.enc.n:
-            ks, vs = self._split_enc()
             bt = self.block_tokens
-            segs.append(
-                Segment(ENCODED, ks, vs, self.enc_start, self.enc.n * bt, bt,
-                        self.key_codec, self.value_codec, self.lag)
-            )
+            if self.joint:  # the buffers as they are: consumers slice what they read
+                segs.append(Segment(ENCODED, None, None, self.enc_start, self.enc.n * bt, bt, self.key_codec,
+                                    self.value_codec, self.lag, joint=Joint(self.enc.parts, H)))
+            else:
+                ks, vs = self._split_enc()
+                segs.append(Segment(ENCODED, ks, vs, self.enc_start, self.enc.n * bt, bt,
+                                    self.key_codec, self.value_codec, self.lag))
         if shadow is not None:
             k, v, pos = shadow
             segs.append(Segment(SHADOW, k, v, pos, k.shape[2], self.block_tokens, lag=self.lag))
@@ -225,13 +239,18 @@ class CompressedKVCache(_BaseCache):
         return KVView(segs, q_start, N, self.window, self.keep, B, H, D, Dv, self.attention, self.stats)
 
     def _split_enc(self):
+        """(key parts, value parts) of the stored blocks."""
+        if self.joint:
+            return Joint(self.enc.parts, self._dims[1]).halves(self.enc.n)
         parts = self.enc.get()
         return parts[: self._n_key_parts], parts[self._n_key_parts :]
 
     @property
     def state(self) -> tuple:
-        """Every stored array: sink (k, v), encoded parts, tail (k, v)."""
-        return tuple(a for b in (self.sink, self.enc, self.tail) if b.n for a in b.get())
+        """Every stored array: sink (k, v), encoded key parts then value parts, tail (k, v)."""
+        enc = tuple(a for half in self._split_enc() for a in half) if self.enc.n and self.joint else None
+        return tuple(a for b in (self.sink, self.enc, self.tail) if b.n
+                     for a in (enc if b is self.enc and enc is not None else b.get()))
 
     # -- mlx-lm's state protocol: arrays in `state`, everything else in `meta_state` ----------
     @state.setter
@@ -280,10 +299,7 @@ class CompressedKVCache(_BaseCache):
         self.enc_start, self.tail_start = m["enc_start"], m["tail_start"]
         if m["dims"] is not None:
             B, H, D, Dv = m["dims"]
-            self._dims = (B, H, D, Dv, _DTYPES[m["dtype"]])
-            self.key_codec = make_codec(self.key_spec, D)
-            self.value_codec = make_codec(self.value_spec, Dv)
-            self.enc.step = max(1, self.enc.step // self.block_tokens)
+            self._configure((B, H, D, Dv, _DTYPES[m["dtype"]]))
         if m["key_parts"] is not None:
             self._n_key_parts = m["key_parts"]
         self._counts, self._loaded = (m["sink"], m["enc"], m["tail"]), loaded
@@ -292,8 +308,11 @@ class CompressedKVCache(_BaseCache):
         """Hand the loaded arrays (sink k, v | encoded parts | tail k, v) to the buffers."""
         (n_sink, n_enc, n_tail), parts = self._counts, self._loaded
         lo, hi = 2 if n_sink else 0, len(parts) - (2 if n_tail else 0)
-        for buf, n, arrays in ((self.sink, n_sink, parts[:lo]), (self.enc, n_enc, parts[lo:hi]),
-                               (self.tail, n_tail, parts[hi:])):
+        enc = parts[lo:hi]
+        if self.joint and n_enc and len(enc) == 2 * self._n_key_parts:  # files keep K and V apart
+            nk = self._n_key_parts
+            enc = tuple(mx.concatenate([k, v], axis=1) for k, v in zip(enc[:nk], enc[nk:]))
+        for buf, n, arrays in ((self.sink, n_sink, parts[:lo]), (self.enc, n_enc, enc), (self.tail, n_tail, parts[hi:])):
             if n:
                 buf.set(arrays)
             if buf.n != n:

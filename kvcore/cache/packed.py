@@ -21,6 +21,7 @@ import mlx.core as mx
 
 from .buffer import Buffer
 from .compressed import CompressedKVCache
+from .view import Joint
 
 STEP = 256
 _LAST: dict = {}  # the last row lengths handed to the device, and their array
@@ -46,7 +47,7 @@ def packable(row: CompressedKVCache) -> bool:
 
 
 def _signature(row: CompressedKVCache):
-    return (row.key_spec, row.value_spec, row._dims, getattr(row, "_n_key_parts", None))
+    return (row.key_spec, row.value_spec, row._dims, getattr(row, "_n_key_parts", None), row.joint)
 
 
 @dataclass
@@ -67,12 +68,17 @@ class PackedView:
     uniform: bool = False  # every row holds the same number of tokens: no mask needed
     config: object = None  # the rows' AttentionConfig
     stats: object = None  # the cache set's AttentionStats
+    joint: Joint | None = None  # K and V in one set of arrays (key_parts, value_parts: views of it)
 
     @property
     def shape(self):
         return (self.key_parts[0].shape[0], self.heads, self.length, self.head_dim)
 
     def dense(self, lo: int, hi: int, dtype) -> tuple[mx.array, mx.array]:
+        if self.joint is not None and self.rotation is None:  # one decode call reads K and V
+            x = self.key_codec.decode(tuple(p[:, :, lo:hi] for p in self.joint.arrays), dtype)
+            return x[:, : self.heads], x[:, self.heads :]
+
         def dec(codec, parts):
             sl = tuple(p[:, :, lo:hi] for p in parts)
             if self.rotation is not None:
@@ -120,7 +126,7 @@ class PackedRows:
         for b, n in enumerate(self.lengths):
             t = self.template
             row = CompressedKVCache(t.key_spec, t.value_spec, t.start or 0, attention=t.attention, stats=t.stats)
-            row._dims = (1, *t._dims[1:])
+            row._configure((1, *t._dims[1:]))
             row.key_codec, row.value_codec = t.key_codec, t.value_codec
             row.offset, row.converted = n, t.converted
             own = tuple(mx.contiguous(p[b : b + 1, :, :n]) for p in self.parts)
@@ -139,8 +145,7 @@ class PackedRows:
         """keys: (B, H, N, D), each row's next N tokens, written at its own length."""
         B, H, N, D = keys.shape
         t = self.template
-        new = ((keys, values) if t.key_codec is None
-               else (*t.key_codec.encode(keys), *t.value_codec.encode(values)))
+        new = (keys, values) if t.key_codec is None else t._encode(keys, values)
         need = max(self.lengths) + N
         if need > self.parts[0].shape[2]:
             grow = (need - self.parts[0].shape[2] + STEP - 1) // STEP * STEP
@@ -154,11 +159,15 @@ class PackedRows:
             out.append(mx.put_along_axis(p, mx.broadcast_to(i, v.shape), v, axis=2))
         self.parts = tuple(out)
         self.lengths = [n + N for n in self.lengths]
-        nk = getattr(t, "_n_key_parts", 1) if t.key_codec is not None else 1
         L = max(self.lengths)
-        return PackedView(tuple(p for p in self.parts[:nk]), tuple(p for p in self.parts[nk:]),
-                          t.key_codec, t.value_codec, q_start, N, L, H, D, values.shape[-1],
-                          uniform=len(set(self.lengths)) == 1, config=t.attention, stats=t.stats)
+        joint = Joint(self.parts, H) if t.joint else None
+        if joint is not None:
+            kp, vp = tuple(p[:, :H] for p in self.parts), tuple(p[:, H:] for p in self.parts)
+        else:
+            nk = getattr(t, "_n_key_parts", 1) if t.key_codec is not None else 1
+            kp, vp = self.parts[:nk], self.parts[nk:]
+        return PackedView(kp, vp, t.key_codec, t.value_codec, q_start, N, L, H, D, values.shape[-1],
+                          uniform=len(set(self.lengths)) == 1, config=t.attention, stats=t.stats, joint=joint)
 
     # -- batch protocol -----------------------------------------------------
     def filter(self, idx: list[int]) -> None:

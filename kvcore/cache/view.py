@@ -19,6 +19,34 @@ from typing import Any
 import mlx.core as mx
 
 DENSE, ENCODED, SHADOW = "dense", "encoded", "shadow"
+SPARE_TOKENS = 256  # a whole-buffer decode may read this much spare capacity (one growth step)
+
+
+@dataclass(frozen=True)
+class Joint:
+    """K and V encoded by one codec into one set of arrays, K's heads first:
+
+    ```
+    arrays[i]: (B, 2H, capacity, ...)   heads [0, H) keys, [H, 2H) values; blocks [0, n) stored
+    ```
+    One quantize and one write per part serve both (a decode step writes 3 arrays, not 6), and
+    one decode call reads both. `arrays` are the buffers as stored, spare capacity included."""
+
+    arrays: tuple
+    heads: int
+
+    @property
+    def capacity(self) -> int:
+        return self.arrays[0].shape[2]
+
+    @staticmethod
+    def spare_blocks(block_tokens: int) -> int:
+        return max(1, SPARE_TOKENS // block_tokens)
+
+    def halves(self, blocks: int) -> tuple[tuple, tuple]:
+        """(key parts, value parts) of the first `blocks` blocks: views, nothing copied."""
+        H = self.heads
+        return (tuple(a[:, :H, :blocks] for a in self.arrays), tuple(a[:, H:, :blocks] for a in self.arrays))
 
 
 @dataclass
@@ -33,18 +61,34 @@ class Segment:
     value_codec: Any = None
     lag: int = 0  # ENCODED/SHADOW: positions after a block's last token before it is read encoded
     rotation: Any = None  # set: dense() returns R k, R v (attention in a rotation codec's basis)
+    joint: Joint | None = None  # ENCODED, K and V stored in one set of arrays (keys, values: None)
 
-    def dense(self, lo: int, hi: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
-        """Columns [lo, hi) of this segment as dense (B, H, hi-lo, D) keys and values."""
+    def parts(self) -> tuple[Any, Any]:
+        """(keys, values) as stored: dense arrays, or the codec's encoded parts of the stored
+        blocks (for joint storage, views of its K and V halves)."""
+        if self.joint is None:
+            return self.keys, self.values
+        return self.joint.halves(-(-self.length // self.block_tokens))
+
+    def dense(self, lo: int, hi: int, dtype: mx.Dtype, spare_ok: bool = False) -> tuple[mx.array, mx.array]:
+        """Columns [lo, hi) of this segment as dense (B, H, hi-lo, D) keys and values.
+        `spare_ok`: a whole joint segment may be decoded with its buffer's spare capacity (the
+        arrays as stored are contiguous, so the decode reads them in place instead of copying a
+        slice first); the result is still sliced to [lo, hi)."""
         if self.rotation is not None:
             return self._rotated(lo, hi, dtype)
         if self.kind != ENCODED:
             return self.keys[:, :, lo:hi], self.values[:, :, lo:hi]
         bt = self.block_tokens
         b0, b1 = lo // bt, (hi + bt - 1) // bt
+        cut = lo - b0 * bt
+        if self.joint is not None:
+            j = self.joint
+            whole = spare_ok and b0 == 0 and j.capacity - b1 <= j.spare_blocks(bt)
+            x = self.key_codec.decode(j.arrays if whole else tuple(a[:, :, b0:b1] for a in j.arrays), dtype)
+            return x[:, : j.heads, cut : cut + hi - lo], x[:, j.heads :, cut : cut + hi - lo]
         k = self.key_codec.decode(tuple(a[:, :, b0:b1] for a in self.keys), dtype)
         v = self.value_codec.decode(tuple(a[:, :, b0:b1] for a in self.values), dtype)
-        cut = lo - b0 * bt
         return k[:, :, cut : cut + hi - lo], v[:, :, cut : cut + hi - lo]
 
     def _rotated(self, lo: int, hi: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
@@ -52,8 +96,9 @@ class Segment:
             r = self.rotation
             return r.forward(self.keys[:, :, lo:hi]).astype(dtype), r.forward(self.values[:, :, lo:hi]).astype(dtype)
         b0, b1 = lo, hi  # rotation codecs store one token per block
-        k = self.key_codec.decode_rotated(tuple(a[:, :, b0:b1] for a in self.keys), dtype)
-        v = self.value_codec.decode_rotated(tuple(a[:, :, b0:b1] for a in self.values), dtype)
+        keys, values = self.parts()
+        k = self.key_codec.decode_rotated(tuple(a[:, :, b0:b1] for a in keys), dtype)
+        v = self.value_codec.decode_rotated(tuple(a[:, :, b0:b1] for a in values), dtype)
         return k, v
 
     def visible(self, q_pos: mx.array, lo: int, hi: int, window: int | None, keep: int) -> mx.array:
