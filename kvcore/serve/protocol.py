@@ -36,6 +36,27 @@ class Message(_Strict):
         return self.content or ""
 
 
+class FunctionDef(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
 
@@ -74,8 +95,8 @@ class ChatRequest(_Sampling):
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
     response_format: Optional[dict] = None
-    tools: Optional[list[dict]] = None
-    tool_choice: Optional[Union[str, dict]] = None
+    tools: Optional[list[Tool]] = Field(None, max_length=128)
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
     parallel_tool_calls: Optional[bool] = None
     store: Optional[bool] = None
     metadata: Optional[dict[str, str]] = None

@@ -8,6 +8,7 @@ from dataclasses import fields, replace
 
 from ..engine import Request, SamplingConfig
 from ..errors import MlxkvError
+from . import tools
 from .errors import APIError, bad_request
 from .protocol import ChatRequest
 from .served import Served
@@ -50,10 +51,9 @@ def unsupported(body) -> None:
         if body.response_format is not None and body.response_format.get("type") not in ("text", None) \
                 and "constraint" not in _ENGINE_FIELDS:
             refuse("response_format", "a response format other than text")
-        if body.tools:
-            refuse("tools", "tool calling")
-        if body.tool_choice not in (None, "none", "auto"):
-            refuse("tool_choice", "forcing a tool")
+        tools.check_choice(body)
+        if tools.forced(body) and "constraint" not in _ENGINE_FIELDS:
+            refuse("tool_choice", "forcing a tool call")
     else:
         if body.echo:
             refuse("echo", "echoing the prompt")
@@ -89,7 +89,8 @@ def sampling(body, vocab: int) -> SamplingConfig:
     if isinstance(body, ChatRequest):
         if body.logprobs:
             kw["logprobs"] = body.top_logprobs or 0
-        constraint = response_constraint(body.response_format)
+        must_call = tools.forced(body)
+        constraint = tools.constraint(must_call) if must_call else response_constraint(body.response_format)
         if constraint is not None:
             kw["constraint"] = constraint
     elif body.logprobs is not None:
