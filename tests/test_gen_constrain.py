@@ -138,3 +138,40 @@ def test_smollm2_sampled_json_validates():
                       for i in range(4)])
     ended = [c for c in out if c.finish_reason == "eos"]
     assert len(ended) >= 3 and all(valid(c.text) for c in ended), [(c.finish_reason, c.text) for c in out]
+
+
+def test_constrained_masks_are_computed_while_the_next_forward_runs(llama, monkeypatch):
+    """A steady constrained step: its masks are built after the previous step queued the forward
+    (async_eval) and before this step's one read-back; still one async_eval and one read-back."""
+    import mlx.core as mx
+
+    from kvcore.engine.constrain import Constraint
+
+    lm, log = llama, []
+    engine = Engine(lm.model, lm.tokenizer, FULL, 3, GenerateConfig(prefill_chunk=16), interleave=False)
+    engine.ignore_eos = True
+    long = ConstraintSpec("regex", "[a-z ]{200}")
+    for i, p in enumerate(ROW_PROMPTS[:3]):
+        engine.add_request(Request(tuple(lm.tokenizer.encode(p)), 20, str(i),
+                                   sampling=SamplingConfig(constraint=long if i != 1 else None)))
+    while len(engine.running) < 3 or engine.scheduler.admitting is not None:
+        engine.step()
+
+    def logged(name, real):
+        def call(*a, **k):
+            log.append(name)
+            return real(*a, **k)
+        return call
+    monkeypatch.setattr(mx, "async_eval", logged("async_eval", mx.async_eval))
+    monkeypatch.setattr(mx, "eval", logged("eval", mx.eval))
+    monkeypatch.setattr(mx.array, "tolist", logged("readback", mx.array.tolist))
+    monkeypatch.setattr(mx.array, "item", logged("readback", mx.array.item))
+    monkeypatch.setattr(Constraint, "bits", logged("mask", Constraint.bits))
+    steps = []
+    for _ in range(8):
+        engine.step()
+        steps.append(log[:])
+        log.clear()
+    monkeypatch.undo()
+    for s in steps[1:-1]:
+        assert s == ["mask", "mask", "readback", "async_eval"], steps

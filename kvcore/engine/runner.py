@@ -98,11 +98,16 @@ class Runner:
     def sample(self, logits: mx.array, seqs: list[Sequence]) -> mx.array:
         """logits (B, V) -> tokens (B,), lazily; rows with their own sampling settings, seeds or a
         repetition penalty are sampled apart (a seeded row draws from its own random state).
-        When a row asks for log-probabilities they ride along: (B, 2 + 2N) (sampling.py)."""
+        When a row asks for log-probabilities they ride along: (B, 2 + 2N) (sampling.py).
+        Constrained rows that are greedy, or share the engine's sampler, are masked together."""
         lp = logprobs(logits)
-        if all(s.sampling is self.sampling and s.key is None and s.constraint is None for s in seqs) \
-                and not self.sampling.adjusted:
-            tokens = self.sampler(lp)
+        shared = all(s.sampling is self.sampling and s.key is None for s in seqs) and not self.sampling.adjusted
+        greedy = all(s.sampling.temp == 0 and not s.sampling.adjusted for s in seqs)
+        if shared or greedy:
+            masked = lp
+            if any(s.constraint is not None for s in seqs):  # one (B, V) mask, its rows' grammars'
+                masked = logprobs(apply_masks(logits, [s.constraint and s.constraint.bits() for s in seqs]))
+            tokens = mx.argmax(masked, axis=-1) if greedy else self.sampler(masked)
         else:
             tokens = mx.concatenate([sample_row(logits[b : b + 1], s, self, lp[b : b + 1])
                                      for b, s in enumerate(seqs)], axis=0)
