@@ -24,6 +24,7 @@ from mlx_lm.models.cache import _BaseCache
 from ..attention.config import DEFAULT as DEFAULT_ATTENTION
 from ..attention.config import AttentionConfig, AttentionStats
 from ..codecs import CodecSpec, make_codec
+from . import rollback
 from .buffer import STEP, Buffer
 from .view import DENSE, ENCODED, SHADOW, Joint, KVView, Segment
 
@@ -335,70 +336,7 @@ class CompressedKVCache(_BaseCache):
 
     def trim(self, n: int) -> int:
         """Remove the last n tokens (as many as the window still allows); returns how many."""
-        n = min(n, self.offset)
-        if self.window is not None:
-            stored_from = self.enc_start if self.enc.n else self.tail_start
-            if stored_from > self.keep:  # the next query must still see a whole window
-                n = min(n, max(0, self.offset - stored_from - (self.window - self.keep) + 1))
-        if n <= 0:
-            return 0
-        rest = n
-        k = min(rest, self.tail.n)
-        self.tail.truncate(self.tail.n - k)
-        rest -= k
-        k = min(rest, self.enc.n * self.block_tokens)
-        if k:
-            self._trim_encoded(k)
-            rest -= k
-        self.sink.truncate(self.sink.n - rest)
-        self.offset -= n
-        self._restore_recent()
-        return n
-
-    def _restore_recent(self) -> None:
-        """After a trim: blocks within `recent` of the new end go back to the dense tail, exactly
-        where the last update's dense copy has them, else decoded."""
-        bt, short = self.block_tokens, self.recent - self.tail.n
-        if short <= 0 or not self.enc.n:
-            return
-        blocks = min(self.enc.n, -(-short // bt))
-        b0 = self.enc.n - blocks
-        pos, n = self.enc_start + b0 * bt, blocks * bt
-        fresh = self._fresh
-        if fresh is not None and fresh[2] <= pos and pos + n <= fresh[2] + fresh[0].shape[2]:
-            k, v = (a[:, :, pos - fresh[2] : pos - fresh[2] + n] for a in fresh[:2])
-        else:
-            ks, vs = self._split_enc()
-            k = self.key_codec.decode(tuple(a[:, :, b0:] for a in ks), self._dims[4])
-            v = self.value_codec.decode(tuple(a[:, :, b0:] for a in vs), self._dims[4])
-        rest = self.tail.get() if self.tail.n else None
-        self.tail.clear()
-        self.tail.append((k, v))
-        if rest is not None:
-            self.tail.append(rest)
-        self.enc.truncate(b0)
-        self.tail_start = pos
-
-    def _trim_encoded(self, n: int) -> None:
-        bt = self.block_tokens
-        blocks = (n + bt - 1) // bt
-        keep_tokens = blocks * bt - n  # tokens of the last dropped block to restore dense
-        if keep_tokens:
-            b0 = self.enc.n - blocks
-            pos = self.enc_start + b0 * bt
-            fresh = self._fresh
-            if fresh is not None and fresh[2] <= pos and pos + bt <= fresh[2] + fresh[0].shape[2]:
-                # encoded by the last update: its exact dense copy is still at hand
-                k, v = (a[:, :, pos - fresh[2] : pos - fresh[2] + bt] for a in fresh[:2])
-            else:
-                ks, vs = self._split_enc()
-                dtype = self._dims[4]
-                k = self.key_codec.decode(tuple(a[:, :, b0 : b0 + 1] for a in ks), dtype)
-                v = self.value_codec.decode(tuple(a[:, :, b0 : b0 + 1] for a in vs), dtype)
-            self.tail.clear()
-            self.tail.append((k[:, :, :keep_tokens], v[:, :, :keep_tokens]))
-        self.enc.truncate(self.enc.n - blocks)
-        self.tail_start = self.enc_start + self.enc.n * bt
+        return rollback.trim(self, n)
 
     @property
     def nbytes(self) -> int:
