@@ -10,11 +10,11 @@ scales') promoted with layer 0's key projection's; float16 with bfloat16 promote
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import MlxkvError
+from .model_folder import read_config
 from .models import resolve_model_path
 
 SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -51,15 +51,26 @@ def kv_dtype_of(tensors: dict[str, str]) -> str:
     return max(set(floats), key=floats.count) if floats else "float32"
 
 
-def _folder(path: Path) -> ModelShape:
+def check_shape_fields(config: dict, where: str) -> None:
+    """The fields the KV byte model sizes a cache from (cache/bytes.py's layer_shapes): present
+    and positive integers, or a one-line error naming the first that is not."""
+    text = config.get("text_config")
+    c, prefix = (text, "text_config.") if isinstance(text, dict) else (config, "")
+    need = ["num_hidden_layers", "num_attention_heads", "head_dim" if "head_dim" in c else "hidden_size"]
+    for key in need + [k for k in ("num_key_value_heads",) if c.get(k) is not None]:
+        v = c.get(key)
+        if v is None:
+            alt = " (or 'head_dim')" if key == "hidden_size" else ""
+            raise MlxkvError(f"{where}: '{prefix}{key}'{alt} is missing (the KV cache is sized from it)")
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise MlxkvError(f"{where}: '{prefix}{key}' must be a positive integer, got {v!r}")
+
+
+def _folder(path: Path, source: str) -> ModelShape:
     from .store.safetensors import open_container
 
-    try:
-        config = json.loads((path / "config.json").read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
-        raise MlxkvError(f"model folder {path}: config.json is not readable JSON") from None
-    if not isinstance(config, dict):
-        raise MlxkvError(f"model folder {path}: config.json is not a JSON object")
+    config = read_config(path, source)  # the checks every command's model load makes
+    check_shape_fields(config, f"model {source}: config.json")
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise MlxkvError(f"model folder {path} has no .safetensors weights")
@@ -78,6 +89,7 @@ def _gguf(path: Path) -> ModelShape:
 
     gguf = read_gguf(path)
     config = build_config(gguf)
+    check_shape_fields(config, f"GGUF {path.name}")
     weights, quant = convert_weights(gguf, config)
     if quant is not None:
         config["quantization"] = quant
@@ -86,9 +98,25 @@ def _gguf(path: Path) -> ModelShape:
 
 
 def model_shape(ref: str | None) -> ModelShape:
-    path, _ = resolve_model_path(ref)
+    path, source = resolve_model_path(ref)
     if path.is_file():
         if path.suffix != ".gguf":
             raise MlxkvError(f"unsupported model file {path.name}: expected a folder or a .gguf file")
         return _gguf(path)
-    return _folder(path)
+    return _folder(path, source)
+
+
+def check_layers(config: dict, policy) -> None:
+    """A kv_config's layers against the model's (from config.json alone, as `plan_layers` checks a
+    loaded model): one the model lacks, or one holding no KV of its own (SSM, KV-shared)."""
+    if policy.layer_codecs is None:
+        return
+    from .cache.bytes import layer_shapes
+
+    shapes = layer_shapes(config)
+    for idx, _ in policy.layer_codecs:
+        if idx >= len(shapes):
+            raise MlxkvError(f"kv_config: layer_idx {idx} out of range (model has {len(shapes)} layers)")
+        if shapes[idx].kind == "other":
+            raise MlxkvError(f"kv_config: layer_idx {idx} holds no KV cache of its own (a linear-attention or "
+                             f"KV-shared layer)")

@@ -13,12 +13,14 @@ from .backend import backend_name, versions
 from .engine import GenerateConfig, Request, SamplingConfig, generate_one, kv_summary
 from .engine.forward import DEFAULT_PREFILL_CHUNK
 from .engine.chat import continue_chat, conversation, held_ids, save_conversation
+from .engine.memory import batch_need, default_kv_budget, model_bytes
 from .engine.prompt import encode_continuation, encode_prompt, has_chat_template
 from .errors import MlxkvError
 from .models import context_notice
 from .distributed import launched, load_for_run, on_every_rank
 from .engine.forward import cache_offset
 from .policy import KVOptions, build_caches, resolve_policy
+from .policy.plan import plan_layers
 from .resume import open_for_model, run_sharding, save_after_run, start_from_cache
 from .store import Sharding, rank_path
 from .store.atomic import check_target
@@ -44,6 +46,55 @@ class GenerateJob:
     extra_eos: tuple[str, ...] = ()  # more tokens that end a row (mlx-lm's --extra-eos-token)
     adapter_path: str | None = None  # an mlx-lm LoRA adapter folder, loaded into the model
 
+    def __post_init__(self):
+        self.check()
+
+    def check(self) -> None:
+        """What every run shape (one prompt, a batch, speculative) refuses alike, before any work."""
+        if self.max_tokens < 0:
+            raise MlxkvError(f"--max-tokens must be >= 0, got {self.max_tokens}")
+        if self.prefill_chunk < 1:
+            raise MlxkvError(f"--prefill-chunk must be >= 1, got {self.prefill_chunk}")
+        if any(not s for s in self.stop):
+            raise MlxkvError("--stop '' is an empty stop string (it would match before any text): give the text to stop at")
+
+
+@dataclass
+class BatchOptions:
+    batch_size: int = 8
+    max_kv_bytes: int | None = None  # None: the device's default budget
+
+    def __post_init__(self):
+        if self.batch_size < 1:
+            raise MlxkvError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if self.max_kv_bytes is not None and self.max_kv_bytes < 0:
+            raise MlxkvError(f"--max-kv-bytes must be >= 0, got {self.max_kv_bytes}")
+
+
+def kv_budget(lm, opts: BatchOptions) -> int:
+    """The KV budget rows are admitted under: --max-kv-bytes, else the device's default."""
+    return opts.max_kv_bytes if opts.max_kv_bytes is not None else default_kv_budget(model_bytes(lm.model))
+
+
+def check_fits(need: Callable[[list[int]], int], budget: int, tokens: int, what: str,
+               budget_name: str = "the budget (--max-kv-bytes)") -> None:
+    """A row whose KV at its final size (`tokens`) exceeds the budget can never run: one line, before
+    any work (the Scheduler's rule, for one prompt as for a batch)."""
+    n = need([tokens])
+    if n > budget:
+        raise MlxkvError(f"{what} can never fit: its KV needs {format_bytes(n)} at its final size ({tokens} tokens), "
+                         f"{budget_name} is {format_bytes(budget)}")
+
+
+def check_row_fits(lm, policy, tokens: int, what: str, opts: BatchOptions | None = None,
+                   chunk: int = DEFAULT_PREFILL_CHUNK, plan: list | None = None,
+                   budget_name: str = "the budget (--max-kv-bytes)") -> None:
+    """`check_fits` for one row of `tokens` under `policy` (its per-layer `plan` if built already)."""
+    if lm.config:
+        plan = plan if plan is not None else plan_layers(lm.model, policy)
+        check_fits(batch_need(lm.config, plan, lm.model, policy, chunk), kv_budget(lm, opts or BatchOptions()),
+                   tokens, what, budget_name)
+
 
 def _open_files(job: GenerateJob, lm, layout: Sharding):
     """Check this rank's --save-cache target and open its --load-cache file."""
@@ -68,11 +119,9 @@ class RunResult:
 
 
 def run_generate(job: GenerateJob, on_text: Callable[[str], None] | None = None,
-                 on_notice: Callable[[str], None] | None = None) -> RunResult:
-    if job.max_tokens < 0:
-        raise MlxkvError(f"--max-tokens must be >= 0, got {job.max_tokens}")
-    if job.prefill_chunk < 1:
-        raise MlxkvError(f"--prefill-chunk must be >= 1, got {job.prefill_chunk}")
+                 on_notice: Callable[[str], None] | None = None, opts: BatchOptions | None = None) -> RunResult:
+    """Each prompt alone (of `opts`, only the KV budget applies)."""
+    job.check()
     policy = resolve_policy(job.kv)  # bad flags fail before the model loads
     if (job.save_cache or job.load_cache) and len(job.prompts) != 1:
         raise MlxkvError("--save-cache and --load-cache take exactly one prompt")
@@ -123,9 +172,11 @@ def run_generate(job: GenerateJob, on_text: Callable[[str], None] | None = None,
                                                          start.compresses, start.kv_policy)
         else:
             caches, plan = build_caches(lm.model, policy)
-            if policy.compresses and policy.start >= len(ids) + job.max_tokens:
-                note(f"KV stays full precision: --quantized-kv-start {policy.start} lies beyond "
-                     f"prompt ({len(ids)}) + max tokens ({job.max_tokens})")
+        check_row_fits(lm, policy, len(ids) + job.max_tokens,  # refused before any work, as a batch's rows are
+                       f"the prompt ({len(ids)} tokens) + --max-tokens {job.max_tokens}", opts, job.prefill_chunk, plan)
+        if cached is None and policy.compresses and policy.start >= len(ids) + job.max_tokens:
+            note(f"KV stays full precision: --quantized-kv-start {policy.start} lies beyond "
+                 f"prompt ({len(ids)}) + max tokens ({job.max_tokens})")
         reused = len(ids) - len(feed) if cached is not None else 0
         context = context_notice(lm.config, [reused + len(feed) + job.max_tokens]) if lm.config else None
         if context:

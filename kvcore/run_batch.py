@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 import mlx.core as mx
@@ -11,7 +10,7 @@ import mlx.core as mx
 from .adapters import apply_adapter
 from .backend import backend_name, versions
 from .engine import Engine, GenerateConfig, Request
-from .engine.memory import batch_need, default_kv_budget, model_bytes
+from .engine.memory import batch_need
 from .engine.prompt import encode_prompt
 from .engine.prompts_file import PromptSpec
 from .errors import MlxkvError
@@ -19,19 +18,12 @@ from .models import context_notice
 from .distributed import load_for_run
 from .policy import resolve_policy
 from .policy.plan import plan_layers
-from .run import GenerateJob, RunResult
-
-
-@dataclass
-class BatchOptions:
-    batch_size: int = 8
-    max_kv_bytes: int | None = None  # None: the device's default budget
+from .run import BatchOptions, GenerateJob, RunResult, check_fits, kv_budget
 
 
 def run_batch(job: GenerateJob, specs: list[PromptSpec], opts: BatchOptions,
               on_finish: Callable | None = None, on_notice: Callable[[str], None] | None = None) -> RunResult:
-    if job.max_tokens < 0:
-        raise MlxkvError(f"--max-tokens must be >= 0, got {job.max_tokens}")
+    job.check()
     policy = resolve_policy(job.kv)
     lm, dist = load_for_run(job.model, job.dtype, repr((job, specs, opts)), job.extra_eos)
     if job.adapter_path:
@@ -52,10 +44,12 @@ def run_engine(lm, dist, job: GenerateJob, specs: list[PromptSpec], opts: BatchO
             on_notice(msg)
 
     requests = build_requests(lm, job, specs)
+    plan, budget, need = admission(lm, policy, opts, job.prefill_chunk)
+    for r in requests:  # before the context notice: a row that can never run is one line
+        check_fits(need, budget, len(r.prompt_ids) + r.max_tokens, f"row {r.id}")
     context = context_notice(lm.config, [len(r.prompt_ids) + r.max_tokens for r in requests]) if lm.config else None
     if context:
         note(context)
-    plan, budget, need = admission(lm, policy, opts, job.prefill_chunk)
     engine = Engine(lm.model, lm.tokenizer, policy, opts.batch_size, GenerateConfig(job.sampling, job.prefill_chunk),
                     kv_budget=budget, batch_need=need, on_finish=on_finish, decoder=decoder)
     mx.reset_peak_memory()
@@ -97,8 +91,7 @@ def admission(lm, policy, opts: BatchOptions, chunk: int = 512) -> tuple[list, i
     """(per-layer plan, KV budget in bytes, the bytes a batch of final lengths needs) for the
     engine: the byte model, counting what the caches allocate."""
     plan = plan_layers(lm.model, policy)
-    budget = opts.max_kv_bytes if opts.max_kv_bytes is not None else default_kv_budget(model_bytes(lm.model))
-    return plan, budget, batch_need(lm.config, plan, lm.model, policy, chunk)
+    return plan, kv_budget(lm, opts), batch_need(lm.config, plan, lm.model, policy, chunk)
 
 
 def batch_summary(lm, completions, engine, batch_size: int, policy, plan, budget: int, wall: float,

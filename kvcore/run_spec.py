@@ -18,8 +18,7 @@ from .speculative.engine import SpeculativeDecode
 
 def run_speculative(job: GenerateJob, specs: list[PromptSpec], opts: BatchOptions, spec: SpecOptions,
                     on_finish: Callable | None = None, on_notice: Callable[[str], None] | None = None) -> RunResult:
-    if job.max_tokens < 0:
-        raise MlxkvError(f"--max-tokens must be >= 0, got {job.max_tokens}")
+    job.check()
     if job.save_cache or job.load_cache:
         raise MlxkvError("--save-cache and --load-cache are not supported with speculative decoding")
     policy = resolve_policy(job.kv)

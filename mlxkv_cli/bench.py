@@ -14,7 +14,7 @@ from kvcore.bench.bandwidth import memory_bandwidth
 from kvcore.bench.grid import BenchConfig, run_grid
 from kvcore.errors import MlxkvError
 from kvcore.distributed import current, handshake, load_for_run, shard
-from kvcore.models import dtype_name, parse_dtype
+from kvcore.models import dtype_name, parse_dtype, trained_context
 from kvcore.policy.kv_spec import split_kv_list
 from kvcore.store.atomic import check_target
 
@@ -32,6 +32,15 @@ def parse_ints(text: str, what: str) -> tuple[int, ...]:
     if not values or any(v < 1 for v in values):
         raise MlxkvError(f"{what} needs positive integers, got {text!r}")
     return values
+
+
+def context_note(config: dict, contexts: tuple[int, ...], gen: int) -> str | None:
+    """What a case past the model's trained context means for a benchmark (None: none is)."""
+    limit, longest = trained_context(config), max(contexts) + gen
+    if not limit or longest <= limit:
+        return None
+    return (f"--context {max(contexts)} + --gen {gen} = {longest} tokens run past the model's trained context of "
+            f"{limit} tokens (max_position_embeddings): the timings hold, the tokens would be unreliable")
 
 
 def bench(
@@ -86,6 +95,9 @@ def bench(
         lm, dist = load_for_run(model, dtype, repr((model, dtype, cfg)))
         net, config, source, weights = lm.model, lm.config, lm.source, "trained"
     vocab = config.get("text_config", config)["vocab_size"]
+    note = context_note(config, cfg.contexts, gen)
+    if note:
+        bench_output.err.print(f"[yellow]note:[/yellow] {note}")
     n_cases = len(cfg.schemes) * len(cfg.contexts) * len(cfg.batches) * (2 if cfg.baseline else 1)
     with steps(bench_output.err, n_cases + 1, "bench") as progress:  # a bar on a terminal, a line a case elsewhere
         progress.start("memory bandwidth probe")

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
 from kvcore.calibrate import Budget, CalibrateJob, config_text, run_calibrate
@@ -17,19 +15,13 @@ from kvcore.errors import MlxkvError
 from kvcore.store.atomic import atomic_write, check_target
 from kvcore.units import parse_bytes
 
-from .options import DtypeOpt, ModelOpt
+from .hub import fetch_model
+from .options import DtypeOpt, ModelOpt, OfflineOpt, TextOpt, WindowsOpt, WindowTokensOpt, reworded
+from .progress import counted
 
-
-@contextmanager
-def _progress(err: Console):
-    """A progress callback: a bar on a terminal, else one line per step."""
-    if not err.is_terminal:
-        yield lambda done, total, what: err.print(f"[{done}/{total}] {what}")
-        return
-    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=True) as bar:
-        task = bar.add_task("loading", total=None)
-        yield lambda done, total, what: bar.update(task, completed=done, total=total, description=what)
+CalibrationTextOpt = reworded(TextOpt, "Calibration text file (repeatable).")
+CalibrationWindowsOpt = reworded(WindowsOpt, "Windows per calibration text.")
+CalibrationWindowTokensOpt = reworded(WindowTokensOpt, "Tokens per calibration window.")
 
 
 def _kl(v) -> str:
@@ -64,19 +56,19 @@ def render(report: dict, console: Console) -> None:
 
 
 def calibrate(
-    text: Annotated[list[Path], typer.Option("--text", "-t", help="Calibration text file (repeatable).")],
+    text: CalibrationTextOpt,
     output: Annotated[Path, typer.Option("--output", "-o", help="kv_config.json to write (atomic).")],
     model: ModelOpt = None,
     bits: Annotated[Optional[float], typer.Option(help="Budget: bits per element with metadata, at --context tokens (default: --window-tokens).")] = None,
     memory: Annotated[Optional[str], typer.Option(help="Budget: memory for the weights and --batch rows of --context tokens, e.g. 8GB.")] = None,
     context: Annotated[Optional[int], typer.Option(help="Tokens per row the budget is for.")] = None,
     batch: Annotated[int, typer.Option(help="Rows (with --memory).")] = 1,
-    kv: Annotated[Optional[str], typer.Option("--kv", help="Candidates: full, CODEC:LO..HI[/gG...], /rN, comma-separated. Default: full,affine:2..8,turbo:2..8,/r8,/r16,/r32.")] = None,
+    kv: Annotated[Optional[str], typer.Option("--kv", help="Candidates: full, CODEC:LO..HI\\[/gG...], /rN, comma-separated. Default: full,affine:2..8,turbo:2..8,/r8,/r16,/r32.")] = None,
     optiq_compatible: Annotated[bool, typer.Option("--optiq-compatible", help="Only what optiq's kv_config expresses: affine, one bits and group per layer, no recent window.")] = False,
     holdout: Annotated[Optional[list[Path]], typer.Option("--holdout", help="Held-out text for the final check (repeatable; default: the sample shipped with mlxkv).")] = None,
     report: Annotated[Optional[Path], typer.Option("--report", help="Write the JSON report here (atomic).")] = None,
-    window_tokens: Annotated[int, typer.Option(help="Tokens per calibration window.")] = 1024,
-    windows: Annotated[int, typer.Option(help="Windows per calibration text.")] = 1,
+    window_tokens: CalibrationWindowTokensOpt = 1024,
+    windows: CalibrationWindowsOpt = 1,
     samples: Annotated[int, typer.Option(help="Gradient samples per window (the sensitivity proxy).")] = 4,
     queries: Annotated[int, typer.Option(help="Query positions per window the proxy scores.")] = 256,
     checks: Annotated[int, typer.Option(help="Calibrated configs measured end to end (plus the best uniform scheme).")] = 3,
@@ -84,6 +76,7 @@ def calibrate(
     dtype: DtypeOpt = None,
     dtype_bytes: Annotated[int, typer.Option(help="Bytes per full-precision element and per scale in the budget (2 = bf16/fp16).")] = 2,
     json_out: Annotated[bool, typer.Option("--json", help="The JSON report on stdout instead of the tables.")] = False,
+    offline: OfflineOpt = False,
 ):
     """Choose KV codecs and bits per layer (keys and values apart) under a budget; write a kv_config."""
     check_target(output)
@@ -93,10 +86,11 @@ def calibrate(
     if bits is not None and mem is not None:
         raise MlxkvError("give one budget: --bits or --memory, not both")
     budget = Budget(bits, mem, context, batch, dtype_bytes)
+    fetch_model(model, offline)
     job = CalibrateJob(tuple(str(t) for t in text), budget, kv, optiq_compatible, model, dtype, window_tokens,
                        windows, tuple(str(h) for h in holdout or ()), samples=samples, queries=queries, checks=checks,
                        sensitivities=None if sensitivities is None else str(sensitivities))
-    with _progress(Console(stderr=True, highlight=False)) as progress:
+    with counted(Console(stderr=True, highlight=False)) as progress:
         result = run_calibrate(job, progress)
     data = config_text(result.entries).encode()
     atomic_write(output, lambda f: f.write(data))

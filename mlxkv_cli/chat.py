@@ -17,27 +17,32 @@ from kvcore.engine import SamplingConfig
 from kvcore.errors import MlxkvError
 from kvcore.models import dtype_name, load_model
 from kvcore.policy import KVOptions, resolve_policy
+from kvcore.run import check_row_fits
 from kvcore.units import format_bytes
 
 from . import output
 from .hub import fetch_model
-from .options import (AdapterOpt, DtypeOpt, KeepOpt, KvBitsOpt, KvConfigOpt, KvGroupOpt, KvOpt, KvStartOpt, MaxKvOpt, ModelOpt,
-                      OfflineOpt, ProfileOpt)
+from .options import (AdapterOpt, DtypeOpt, KeepOpt, KvBitsOpt, KvConfigOpt, KvGroupOpt, KvOpt, KvStartOpt, MaxKvOpt,
+                      MaxTokensOpt, MinPOpt, ModelOpt, OfflineOpt, PrefillChunkOpt, ProfileOpt, RepetitionPenaltyOpt, SeedOpt,
+                      SystemPromptOpt, TempOpt, TopKOpt, TopPOpt, reworded)
 
 HELP = "/save FILE, /load FILE, /reset, /stats, /quit; Ctrl-C stops an answer, end of input (Ctrl-D) quits"
+ConversationSystemOpt = reworded(SystemPromptOpt, "System message of the conversation.")
+AnswerTokensOpt = reworded(MaxTokensOpt, "Most tokens per answer.")
+ChatRepetitionOpt = reworded(RepetitionPenaltyOpt, "Penalty for recently seen tokens (1 = off).")
 
 
 def chat(
     model: ModelOpt = None,
     dtype: DtypeOpt = None,
-    system_prompt: Annotated[Optional[str], typer.Option(help="System message of the conversation.")] = None,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Most tokens per answer.")] = 512,
-    temp: Annotated[float, typer.Option(help="Sampling temperature (0 = greedy).")] = 0.0,
-    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass.")] = 1.0,
-    min_p: Annotated[float, typer.Option(help="Min-p sampling threshold.")] = 0.0,
-    top_k: Annotated[int, typer.Option(help="Sample from the K most likely tokens only (0 = off).")] = 0,
-    repetition_penalty: Annotated[float, typer.Option(help="Penalty for recently seen tokens (1 = off).")] = 1.0,
-    seed: Annotated[Optional[int], typer.Option(help="Random seed.")] = None,
+    system_prompt: ConversationSystemOpt = None,
+    max_tokens: AnswerTokensOpt = 512,
+    temp: TempOpt = 0.0,
+    top_p: TopPOpt = 1.0,
+    min_p: MinPOpt = 0.0,
+    top_k: TopKOpt = 0,
+    repetition_penalty: ChatRepetitionOpt = 1.0,
+    seed: SeedOpt = None,
     kv: KvOpt = None,
     kv_bits: KvBitsOpt = None,
     kv_group_size: KvGroupOpt = None,
@@ -46,7 +51,7 @@ def chat(
     max_kv_size: MaxKvOpt = None,
     kv_keep: KeepOpt = None,
     profile: ProfileOpt = None,
-    prefill_chunk: Annotated[int, typer.Option(help="Prompt tokens per forward pass (mlx-lm: 2048).")] = 2048,
+    prefill_chunk: PrefillChunkOpt = 2048,
     load_cache: Annotated[Optional[str], typer.Option(help="Start from a saved cache (as /load FILE).")] = None,
     adapter_path: AdapterOpt = None,
     offline: OfflineOpt = False,
@@ -63,6 +68,8 @@ def chat(
     lm = load_model(model, dtype_name(dtype))
     if adapter_path:
         apply_adapter(lm.model, adapter_path)
+    check_row_fits(lm, policy, max_tokens, f"an answer of --max-tokens {max_tokens}", chunk=prefill_chunk,
+                   budget_name="the KV budget (the GPU's working set or half of RAM, less the weights)")
     session = ChatSession(lm, policy, sampling, system_prompt, max_tokens, prefill_chunk, on_notice=output.notice)
     if load_cache:
         session.load(load_cache)

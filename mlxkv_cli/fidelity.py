@@ -3,21 +3,24 @@
 from __future__ import annotations
 
 import json
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from kvcore.bench.grid import scheme_policy
 from kvcore.fidelity.run import FidelityJob, run_fidelity
+from kvcore.model_shape import check_layers
+from kvcore.models import read_config
+from kvcore.policy.kv_spec import split_kv_list
 from kvcore.store.atomic import atomic_write, check_target
 
 from .hub import fetch_model
-from .options import DtypeOpt, ModelOpt, OfflineOpt
+from .options import DtypeOpt, ModelOpt, OfflineOpt, TextOpt, WindowsOpt, WindowTokensOpt
+from .progress import counted
 
 COLUMNS = (("scheme", "scheme"), ("engine", "engine"), ("bits/el", "bits_per_element"), ("mean KL", "mean_kl"),
            ("p99 KL", "p99_kl"), ("top-1", "top1_agreement"), ("ppl", "ppl"), ("Δppl", "ppl_delta"),
@@ -62,25 +65,13 @@ def render(report: dict, console: Console) -> None:
                       f"bits per element with scales/norms/dense tokens at 2 bytes")
 
 
-@contextmanager
-def _progress(err: Console):
-    """A progress callback: a bar on a terminal, else one line per step."""
-    if not err.is_terminal:
-        yield lambda done, total, what: err.print(f"[{done}/{total}] {what}")
-        return
-    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=True) as bar:
-        task = bar.add_task("loading", total=None)
-        yield lambda done, total, what: bar.update(task, completed=done, total=total, description=what)
-
-
 def fidelity(
-    text: Annotated[Optional[list[Path]], typer.Option("--text", "-t", help="Held-out text file (repeatable). Default: the public-domain sample shipped with mlxkv.")] = None,
+    text: TextOpt = None,
     model: ModelOpt = None,
     kv: Annotated[str, typer.Option("--kv", help="Comma-separated KV schemes (full, affine:8, affine:4/g32, turbo:k4v3, turbo:4/r16, config:FILE, mlx-lm:affine:4).")] = "full,affine:8,affine:4,turbo:k4v3",
     chunk: Annotated[Optional[int], typer.Option(help="Tokens per teacher-forced forward pass. Default: the largest the memory allows (up to 2048).")] = None,
-    windows: Annotated[int, typer.Option(help="Windows per text.")] = 1,
-    window_tokens: Annotated[int, typer.Option(help="Tokens per window.")] = 1024,
+    windows: WindowsOpt = 1,
+    window_tokens: WindowTokensOpt = 1024,
     dtype: DtypeOpt = None,
     baselines: Annotated[bool, typer.Option("--baselines/--no-baselines", help="mlx-lm's QuantizedKVCache row beside each affine scheme.")] = True,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the JSON report to this file (atomic).")] = None,
@@ -91,8 +82,9 @@ def fidelity(
     if output is not None:
         check_target(output)
     fetch_model(model, offline)
+    check_config_schemes(kv, model)
     job = FidelityJob([str(t) for t in text or ()], kv, model, dtype, chunk, windows, window_tokens, baselines)
-    with _progress(Console(stderr=True, highlight=False)) as progress:
+    with counted(Console(stderr=True, highlight=False)) as progress:
         report = run_fidelity(job, progress).to_json()
     if output is not None:
         data = (json.dumps(report, indent=1) + "\n").encode()
@@ -101,3 +93,12 @@ def fidelity(
         print(json.dumps(report))
     else:
         render(report, Console(highlight=False, width=None if Console().is_terminal else 160))
+
+
+def check_config_schemes(kv: str, model: str | None) -> None:
+    """config:FILE schemes against the model's layers before anything runs (a layer the model
+    lacks was an error in that scheme's table cell, and the command exited 0)."""
+    configs = [s for s in split_kv_list(kv) if s.startswith("config:")]
+    config = read_config(model) if configs else None  # None for a GGUF: its load checks the layers
+    for s in configs if config else ():
+        check_layers(config, scheme_policy(s))

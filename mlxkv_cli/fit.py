@@ -14,7 +14,7 @@ from kvcore.bench.fit import fit_table
 from kvcore.bench.grid import scheme_policy
 from kvcore.bench.shapes import shape_weight_bytes
 from kvcore.errors import MlxkvError
-from kvcore.model_shape import SIZES, model_shape
+from kvcore.model_shape import SIZES, check_layers, model_shape
 from kvcore.models import dtype_name, parse_dtype
 from kvcore.policy.kv_spec import split_kv_list
 from kvcore.units import format_bytes, parse_bytes
@@ -71,6 +71,8 @@ def fit(
         m = model_shape(model)
         config, weights = m.config, m.weight_bytes
         kv_dtype, why = (dtype, "--dtype") if dtype else (m.kv_dtype, "the model's dtype")
+    for p in policies.values():
+        check_layers(config, p)
     size = dtype_bytes or SIZES[kv_dtype]
     kv_note = f"{dtype_bytes} bytes (--dtype-bytes)" if dtype_bytes else f"{kv_dtype}, {size} bytes ({why})"
     if budget <= weights:

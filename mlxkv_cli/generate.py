@@ -7,22 +7,24 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvcore.engine import SamplingConfig
-from kvcore.engine.constrain import ConstraintSpec
 from kvcore.adapters import check_adapter_folder
 from kvcore.codecs import BITS
+from kvcore.engine import SamplingConfig
+from kvcore.engine.constrain import ConstraintSpec
 from kvcore.errors import MlxkvError
 from kvcore.models import dtype_name
 from kvcore.policy import KVOptions, resolve_policy
-from kvcore.run import GenerateJob, run_generate
-from kvcore.run_batch import BatchOptions, run_batch
+from kvcore.run import BatchOptions, GenerateJob, run_generate
+from kvcore.run_batch import run_batch
 from kvcore.store.mlx_lm_load import is_mlx_lm_cache
 from kvcore.units import parse_bytes
 
 from . import output
 from .hub import fetch_model
-from .options import (AdapterOpt, DtypeOpt, JsonOpt, KeepOpt, KvBitsOpt, KvConfigOpt, KvGroupOpt, KvOpt, KvStartOpt, MaxKvOpt,
-                      ModelOpt, OfflineOpt, ProfileOpt, VerboseOpt)
+from .options import (AdapterOpt, BatchSizeOpt, DtypeOpt, JsonOpt, KeepOpt, KvBitsOpt, KvConfigOpt, KvGroupOpt, KvOpt,
+                      KvStartOpt, MaxKvBytesOpt, MaxKvOpt, MaxTokensOpt, MinPOpt, ModelOpt, OfflineOpt, PrefillChunkOpt,
+                      ProfileOpt, RepetitionContextOpt, RepetitionPenaltyOpt, SeedOpt, SystemPromptOpt, TempOpt, TopKOpt,
+                      TopPOpt, VerboseOpt)
 from .prompts import read_prompts
 from .speculative import DraftKvBitsOpt, DraftModelOpt, DraftOpt, NumDraftOpt, speculative
 
@@ -32,20 +34,20 @@ def generate(
     prompt: Annotated[Optional[list[str]], typer.Option("--prompt", "-p", help="A prompt ('-' reads stdin); repeat for a batch.")] = None,
     prompt_file: Annotated[Optional[Path], typer.Option(help="Read the prompt from a file ('-' for stdin).")] = None,
     prompts_file: Annotated[Optional[Path], typer.Option(help="Many prompts: JSON Lines {\"prompt\", \"max_tokens\", \"id\"} or one prompt a line.")] = None,
-    batch_size: Annotated[int, typer.Option(help="Most rows decoding together (continuous batching).")] = 8,
-    max_kv_bytes: Annotated[Optional[str], typer.Option(help="KV budget for admitting rows, e.g. 2GB (default: the GPU's working set or half of RAM).")] = None,
+    batch_size: BatchSizeOpt = 8,
+    max_kv_bytes: MaxKvBytesOpt = None,
     model: ModelOpt = None,
     dtype: DtypeOpt = None,
-    system_prompt: Annotated[Optional[str], typer.Option(help="System message (chat template), else prepended.")] = None,
+    system_prompt: SystemPromptOpt = None,
     no_chat_template: Annotated[bool, typer.Option("--no-chat-template", help="Feed the raw prompt.")] = False,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Tokens to generate.")] = 256,
-    temp: Annotated[float, typer.Option(help="Sampling temperature (0 = greedy).")] = 0.0,
-    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass.")] = 1.0,
-    min_p: Annotated[float, typer.Option(help="Min-p sampling threshold.")] = 0.0,
-    seed: Annotated[Optional[int], typer.Option(help="Random seed.")] = None,
-    top_k: Annotated[int, typer.Option(help="Sample from the K most likely tokens only (0 = off).")] = 0,
-    repetition_penalty: Annotated[float, typer.Option(help="Penalty for tokens seen in the last --repetition-context-size tokens (1 = off; mlx-lm's rule).")] = 1.0,
-    repetition_context_size: Annotated[int, typer.Option(help="Tokens the repetition penalty looks back on.")] = 20,
+    max_tokens: MaxTokensOpt = 256,
+    temp: TempOpt = 0.0,
+    top_p: TopPOpt = 1.0,
+    min_p: MinPOpt = 0.0,
+    seed: SeedOpt = None,
+    top_k: TopKOpt = 0,
+    repetition_penalty: RepetitionPenaltyOpt = 1.0,
+    repetition_context_size: RepetitionContextOpt = 20,
     logprobs: Annotated[Optional[int], typer.Option(help="With --json: each token's log-probability and the top N (the model's distribution).")] = None,
     stop: Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable).")] = None,
     extra_eos_token: Annotated[Optional[list[str]], typer.Option(help="Another token that ends a row (repeatable; mlx-lm's name).")] = None,
@@ -61,7 +63,7 @@ def generate(
     max_kv_size: MaxKvOpt = None,
     kv_keep: KeepOpt = None,
     profile: ProfileOpt = None,
-    prefill_chunk: Annotated[int, typer.Option(help="Prompt tokens per forward pass (mlx-lm: 2048).")] = 2048,
+    prefill_chunk: PrefillChunkOpt = 2048,
     save_cache: Annotated[Optional[Path], typer.Option(help="Save the KV caches after the run (prompt and generated tokens); --max-tokens 0 saves the prefilled prompt.")] = None,
     load_cache: Annotated[Optional[Path], typer.Option(help="Continue from a saved cache: -p text follows the cached tokens (raw, no template); --prompt-file is a full prompt whose cached prefix is reused.")] = None,
     chat_continue: Annotated[bool, typer.Option("--chat-continue", help="With --load-cache and -p: add the text as a new chat turn (chat template).")] = False,
@@ -93,10 +95,10 @@ def generate(
         continue_mode="full" if prompt_file is not None else "append", chat_continue=chat_continue,
         adapter_path=str(check_adapter_folder(adapter_path)) if adapter_path else None,
     )
+    # every run shape: one prompt is held to the KV budget too (batch size checked, though it runs alone)
+    opts = BatchOptions(batch_size, parse_bytes(max_kv_bytes, "--max-kv-bytes") if max_kv_bytes is not None else None)
     specs = read_prompts(prompt_arg, prompt, prompt_file, prompts_file,
                          continuation=load_cache is not None and prompt_file is None)
-    if max_kv_bytes is not None:  # checked for one prompt too, though only batches use it
-        parse_bytes(max_kv_bytes, "--max-kv-bytes")
     if (save_cache or load_cache) and (len(specs) > 1 or prompts_file is not None):
         raise MlxkvError("--save-cache and --load-cache take exactly one prompt")
     if save_cache and load_cache and is_mlx_lm_cache(load_cache):
@@ -106,12 +108,10 @@ def generate(
     fetch_model(model, offline)
     fetch_model(draft_model, offline)
     if draft is not None or draft_model is not None:
-        opts = BatchOptions(batch_size, parse_bytes(max_kv_bytes, "--max-kv-bytes") if max_kv_bytes else None)
         return speculative(job, specs, opts, draft, draft_model, num_draft_tokens, draft_kv_bits, json_out, verbose)
     if draft_kv_bits is not None:
         raise MlxkvError("--draft-kv-bits needs --draft-model")
     if len(specs) > 1 or prompts_file is not None:
-        opts = BatchOptions(batch_size, parse_bytes(max_kv_bytes, "--max-kv-bytes") if max_kv_bytes else None)
         on_finish = output.json_completion if json_out else output.labelled_completion
         result = run_batch(job, specs, opts, on_finish=on_finish, on_notice=output.notice)
         if json_out:
@@ -120,7 +120,7 @@ def generate(
             output.batch_stats_line(result.summary)
         return
     job.prompts = [specs[0].prompt]
-    result = run_generate(job, on_text=None if json_out else output.stream_text, on_notice=output.notice)
+    result = run_generate(job, on_text=None if json_out else output.stream_text, on_notice=output.notice, opts=opts)
     if json_out:
         for c in result.completions:
             output.json_line(c.to_json())

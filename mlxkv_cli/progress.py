@@ -78,3 +78,15 @@ def byte_bar(console: Console, title: str):
             bar.update(task, completed=done, total=total or None, description=f"{title}: {name}")
 
         yield update
+
+
+@contextmanager
+def counted(console: Console):
+    """A `(done, total, what)` callback (fidelity, calibrate): a bar on a terminal, else one line a step."""
+    if not console.is_terminal:
+        yield lambda done, total, what: console.print(f"[{done}/{total}] {what}")
+        return
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=True) as bar:
+        task = bar.add_task("loading", total=None)
+        yield lambda done, total, what: bar.update(task, completed=done, total=total, description=what)
