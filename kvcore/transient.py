@@ -24,8 +24,9 @@ waits for in-flight work before allocating more, so run-ahead never stacks layer
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
+from typing import Any
 
 import mlx.core as mx
 
@@ -213,3 +214,30 @@ def plan_for_model(model, config: dict, policy, context: int, budget: int | None
     kv = KVByteModel(config, plan_layers(model, policy), size, policy.rollback or 0, mlxkv=policy.active,
                      chunk=DEFAULT_PREFILL_CHUNK).row_alloc(context)
     return plan_prefill(config, policy, context, model_bytes(model), kv, budget, size, attention, logits=logits)
+
+
+@dataclass(frozen=True)
+class PrefillMemory:
+    """What a job knows to bound its prompts' prefill by the memory model: the model, its
+    config.json and the KV policy. The engine and `generate_one` enter `bound(context)` for a
+    prompt longer than one chunk, so MLX's run-ahead never holds several layers' transients."""
+
+    model: Any
+    config: dict
+    policy: Any
+    attention: AttentionConfig = DEFAULT_ATTENTION
+
+    def limit(self, context: int) -> int | None:
+        """The memory limit for a prefill towards `context` tokens: what is live now, plus the
+        row's KV at that context and one layer's transient; None where the config does not say
+        enough to plan (the prefill then runs unbounded, as before)."""
+        try:
+            plan = plan_for_model(self.model, self.config, self.policy, context, attention=self.attention)
+        except (KeyError, TypeError, ValueError, ZeroDivisionError, MlxkvError):
+            return None
+        return max(plan.peak, mx.get_active_memory() + plan.kv + plan.transient.total)
+
+    def bound(self, context: int):
+        """A context manager: `memory_limit` at `limit(context)` (nothing, where it is None)."""
+        limit = self.limit(context)
+        return nullcontext() if limit is None else memory_limit(limit)

@@ -32,6 +32,7 @@ from kvcore.bench.measure import step_weight_bytes, weight_bytes
 from kvcore.bench.shapes import build_random_model
 from kvcore.cache import CompressedKVCache
 from kvcore.engine import Engine, GenerateConfig, Request, kv_summary
+from kvcore.transient import PrefillMemory
 
 OUT = Path(os.environ.get("OUT", "gpu-out"))
 T0 = time.perf_counter()
@@ -122,7 +123,7 @@ def mlx_lm_decode(model, cfg, ctx: int, gen: int, kv_bits: int | None = None) ->
             "kv_bytes": sum(c.nbytes for c in caches)}
 
 
-def prefill_case(model, scheme: str | None, ctx: int) -> dict:
+def prefill_case(model, config: dict, scheme: str | None, ctx: int) -> dict:
     """Time to first token for a random `ctx`-token prompt (scheme None: mlx-lm bf16)."""
     prompt = mx.random.randint(3, min(30000, model.args.vocab_size), (ctx,)).tolist()
     mx.synchronize()
@@ -133,7 +134,10 @@ def prefill_case(model, scheme: str | None, ctx: int) -> dict:
         next(generate_step(mx.array(prompt), model, max_tokens=1, prefill_step_size=2048))
         kv = None
     else:
-        engine = Engine(model, None, scheme_policy(scheme), 1, GenerateConfig(prefill_chunk=2048), ignore_eos=True)
+        policy = scheme_policy(scheme)
+        memory = PrefillMemory(model, config, policy)  # as the jobs run it: bounded by the memory model
+        engine = Engine(model, None, policy, 1, GenerateConfig(prefill_chunk=2048, prefill_memory=memory),
+                        ignore_eos=True)
         engine.run([Request(tuple(prompt), 1, "p")])
         kv = engine.peak_kv.get("kv_bytes")
     mx.synchronize()
@@ -235,7 +239,7 @@ def main() -> None:
         for scheme in (None, "affine:4"):
             if over():
                 break
-            r = guarded(prefill_case, model, scheme, ctx)
+            r = guarded(prefill_case, model, cfg, scheme, ctx)
             case("mlx-lm" if scheme is None else "mlxkv", scheme or "bf16", ctx, 1, [r], {"kind": "prefill"})
             if scheme and "ttft_s" in r and r["ttft_s"] > 60:
                 break  # the old blockwise prefill: longer contexts would not fit the run

@@ -15,7 +15,7 @@ over `step()`; `generate`, `chat` and `serve` drive the same API.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import mlx.core as mx
@@ -25,6 +25,7 @@ from ..attention.config import DEFAULT as DEFAULT_ATTENTION
 from ..attention.config import AttentionConfig
 from ..errors import MlxkvError
 from ..policy import KVPolicy
+from ..transient import PrefillMemory
 from .decode import PlainDecode
 from .forward import DEFAULT_PREFILL_CHUNK
 from .runner import Runner
@@ -38,6 +39,7 @@ from .stats import kv_summary
 class GenerateConfig:
     sampling: SamplingConfig = SamplingConfig()
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    prefill_memory: PrefillMemory | None = field(default=None, compare=False)  # bounds long prompts' prefill
 
 
 class Engine:
@@ -50,7 +52,7 @@ class Engine:
         self.decoder = decoder or PlainDecode()
         self.scheduler = Scheduler(batch_size, kv_budget, batch_need)
         self.runner = Runner(model, self.decoder_policy(policy), config.prefill_chunk, config.sampling,
-                             attention, self.decoder.merge_single)
+                             attention, self.decoder.merge_single, config.prefill_memory)
         self.on_finish = on_finish
         self.ignore_eos = ignore_eos  # benchmarks: every row runs to its max_tokens
         self.eos: set | None = None  # end tokens for every row (None: the tokenizer's)
@@ -176,6 +178,7 @@ class Engine:
         return events
 
     def _decode_step(self) -> list[TokenEvent]:
+        self.runner.select_rows(self.scheduler.running)  # per-row adapters, if any (a prefill chose its row's)
         return self.decoder.step(self)
 
     def _drop_finished(self) -> list[TokenEvent]:

@@ -7,6 +7,7 @@ engine.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Callable, Iterator
 
 import mlx.core as mx
@@ -73,8 +74,11 @@ def generate_one(model: nn.Module, tokenizer, request: Request, caches: list,
     feed = list(request.prompt_ids[held:])
     seq.out.prompt_tokens = len(feed)
     try:
-        logits = prefill(model, feed, caches, config.prefill_chunk)
-        mx.eval(logits)
+        memory = config.prefill_memory
+        with memory.bound(len(request.prompt_ids) + request.max_tokens) if memory and len(feed) > config.prefill_chunk \
+                else nullcontext():
+            logits = prefill(model, feed, caches, config.prefill_chunk)
+            mx.eval(logits)
         seq.started()
         if not seq.finished:
             for tok in decode_tokens(model, caches, logits, _row_sampler(seq), request.max_tokens,

@@ -8,14 +8,19 @@ Nothing here reads an array back to the host: the caller reads the sampled token
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
 from ..attention.config import DEFAULT as DEFAULT_ATTENTION
+from ..adapter_set import adapter_set
 from ..attention.config import AttentionConfig, AttentionStats
 from ..cache.dense_batch import DenseBatchKVCache
+from ..errors import MlxkvError
 from ..policy import KVPolicy, build_caches
+from ..transient import memory_limit
 from .forward import forward, prefill_chunk
 from .constrain import apply_masks
 from .sampling import SamplingConfig, pack_logprobs
@@ -29,8 +34,9 @@ def logprobs(logits: mx.array) -> mx.array:
 class Runner:
     def __init__(self, model: nn.Module, policy: KVPolicy, prefill_chunk: int,
                  sampling: SamplingConfig = SamplingConfig(), attention: AttentionConfig = DEFAULT_ATTENTION,
-                 merge_single: bool = False):
+                 merge_single: bool = False, prefill_memory=None):
         self.model, self.policy, self.chunk = model, policy, prefill_chunk
+        self.prefill_memory = prefill_memory  # kvcore.transient.PrefillMemory: bounds long prompts
         self.attention = attention
         self.stats = AttentionStats()  # every cache this runner builds counts here
         self.sampling = sampling
@@ -38,6 +44,7 @@ class Runner:
         self.merge_single = merge_single  # speculative rounds need batch caches from the first row
         self.caches: list | None = None  # the running rows' caches
         self.merged = False
+        self.adapters = adapter_set(model)  # per-row LoRA adapters, when the model has a set installed
 
     def new_caches(self) -> list:
         return build_caches(self.model, self.policy, self.attention, self.stats)[0]
@@ -46,12 +53,28 @@ class Runner:
     def prefill_step(self, seq: Sequence) -> mx.array | None:
         """One chunk of `seq`'s prompt into its own caches; the last position's logits (1, V)
         once the prompt is done, else None."""
+        self.select_rows([seq])
         ids = list(seq.request.prompt_ids)
-        seq.done_prompt, logits = prefill_chunk(self.model, ids, seq.caches, seq.done_prompt, self.chunk)
-        if seq.done_prompt < len(ids):
-            mx.eval([c.state for c in seq.caches])
-            return None
-        return logits[:, -1, :]
+        if seq.prefill_limit is None and self.prefill_memory is not None and len(ids) - seq.done_prompt > self.chunk:
+            seq.prefill_limit = self.prefill_memory.limit(len(ids) + seq.request.max_tokens) or 0  # 0: unbounded
+        bound = bool(seq.prefill_limit)
+        with memory_limit(seq.prefill_limit) if bound else nullcontext():
+            seq.done_prompt, logits = prefill_chunk(self.model, ids, seq.caches, seq.done_prompt, self.chunk)
+            if seq.done_prompt < len(ids):
+                mx.eval([c.state for c in seq.caches])
+                return None
+            last = logits[:, -1, :]
+            if bound:
+                mx.eval(last)  # the last chunk's layers run under the bound too
+        return last
+
+    def select_rows(self, seqs: list[Sequence]) -> None:
+        """The next forward's rows: each through its adapter (kvcore/adapter_set.py)."""
+        if self.adapters is not None:
+            self.adapters.select([self.adapters.index(s.request.adapter) for s in seqs])
+        elif any(s.request.adapter for s in seqs):
+            raise MlxkvError(f"row {next(s.id for s in seqs if s.request.adapter)} names an adapter, but the "
+                             "model has no per-row adapters installed (kvcore.adapter_set.AdapterSet)")
 
     # -- membership -------------------------------------------------------------
     def join(self, caches: list) -> None:

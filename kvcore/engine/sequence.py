@@ -26,6 +26,7 @@ class Request:
     id: str = "0"
     stop: tuple[str, ...] = ()
     sampling: SamplingConfig | None = None  # this row's sampling (None: the engine's)
+    adapter: str | None = None  # this row's LoRA adapter folder (kvcore/adapter_set.py; None: the run's)
 
 
 @dataclass
@@ -91,6 +92,7 @@ class Sequence:
         self.caches: list | None = None  # its own caches while it is prefilled alone
         self.done_prompt = 0  # prompt tokens fed so far
         self.reserved = 0  # KV bytes the scheduler reserved for it
+        self.prefill_limit: int | None = None  # MLX memory limit while its prompt is prefilled (0: none)
         self.next_token: int | None = None  # the last token, to be fed next
         self.key = mx.random.key(request.sampling.seed) if request.sampling and request.sampling.seed is not None else None
         if self.sampling.logprobs is not None:

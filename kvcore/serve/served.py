@@ -12,8 +12,9 @@ from ..engine import Engine, GenerateConfig
 from ..models import trained_context
 from ..policy import KVPolicy, resolve_policy
 from ..run_batch import BatchOptions, admission
-from .config import ServeConfig
 from ..store import model_fingerprint
+from ..transient import PrefillMemory
+from .config import ServeConfig
 from .prefix import PrefixCache
 from .spill import PrefixDisk, serve_fingerprint
 
@@ -50,7 +51,9 @@ class Served:
     def new_engine(self) -> Engine:
         c = self.config
         engine = Engine(self.lm.model, self.lm.tokenizer, self.policy, c.batch_size,
-                        GenerateConfig(prefill_chunk=c.prefill_chunk), kv_budget=self.budget, batch_need=self.need)
+                        GenerateConfig(prefill_chunk=c.prefill_chunk,
+                                       prefill_memory=PrefillMemory(self.lm.model, self.lm.config, self.policy)),
+                        kv_budget=self.budget, batch_need=self.need)
         if c.prefix_cache_bytes or c.prefix_cache_dir:
             disk = None
             if c.prefix_cache_dir:
