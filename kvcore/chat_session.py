@@ -20,6 +20,7 @@ from .engine.prompt import encode_continuation
 from .engine.reuse import reuse_prefix
 from .errors import MlxkvError
 from .policy import KVPolicy, build_caches
+from .transient import PrefillMemory
 from .store.atomic import check_target
 
 
@@ -47,6 +48,7 @@ class ChatSession:
     # -- state ----------------------------------------------------------------------
     def reset(self) -> None:
         self._fresh = lambda: build_caches(self.lm.model, self.policy)[0]
+        self.memory = PrefillMemory(self.lm.model, self.lm.config, self.policy)  # long turns prefill within the memory model
         self.caches = self._fresh()
         self.ids: list[int] = []  # the tokens the caches hold
         self.messages: list[dict] | None = conversation([], self.system)  # None: unknown (a bare cache file)
@@ -69,7 +71,7 @@ class ChatSession:
         context = self.context_for(text)
         kept = self._reuse(context)
         out = generate_one(self.lm.model, self.lm.tokenizer, Request(tuple(context), max_tokens or self.max_tokens),
-                           self.caches, GenerateConfig(self.sampling, self.chunk), on_text, held=kept,
+                           self.caches, GenerateConfig(self.sampling, self.chunk, self.memory), on_text, held=kept,
                            interruptible=True)
         self._settle(context, out)
         if self.messages is not None:

@@ -24,6 +24,7 @@ from .policy.plan import plan_layers
 from .resume import open_for_model, run_sharding, save_after_run, start_from_cache
 from .store import Sharding, rank_path
 from .store.atomic import check_target
+from .transient import PrefillMemory
 from .units import format_bytes
 
 
@@ -184,8 +185,9 @@ def run_generate(job: GenerateJob, on_text: Callable[[str], None] | None = None,
         req = Request(tuple(feed), job.max_tokens, str(i), job.stop)
         if compresses:
             bind(lm.model)  # loaded caches: make sure the model attends through kvcore
+        memory = PrefillMemory(lm.model, lm.config, policy)  # a long prompt is prefilled within the memory model
         completions.append(generate_one(lm.model, lm.tokenizer, req, caches,
-                                        GenerateConfig(job.sampling, job.prefill_chunk), on_text))
+                                        GenerateConfig(job.sampling, job.prefill_chunk, memory), on_text))
         if job.save_cache:
             done = completions[-1]
             _, size = on_every_rank(dist, "saving the cache files",

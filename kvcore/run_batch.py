@@ -7,7 +7,7 @@ from typing import Callable
 
 import mlx.core as mx
 
-from .adapters import apply_adapter
+from .adapter_set import install_adapters
 from .backend import backend_name, versions
 from .engine import Engine, GenerateConfig, Request
 from .engine.memory import batch_need
@@ -19,6 +19,7 @@ from .distributed import load_for_run
 from .policy import resolve_policy
 from .policy.plan import plan_layers
 from .run import BatchOptions, GenerateJob, RunResult, check_fits, kv_budget
+from .transient import PrefillMemory
 
 
 def run_batch(job: GenerateJob, specs: list[PromptSpec], opts: BatchOptions,
@@ -26,8 +27,7 @@ def run_batch(job: GenerateJob, specs: list[PromptSpec], opts: BatchOptions,
     job.check()
     policy = resolve_policy(job.kv)
     lm, dist = load_for_run(job.model, job.dtype, repr((job, specs, opts)), job.extra_eos)
-    if job.adapter_path:
-        apply_adapter(lm.model, job.adapter_path)
+    install_adapters(lm.model, job.adapter_path, [s.adapter for s in specs])  # per-row ones gathered
     return run_engine(lm, dist, job, specs, opts, policy, on_finish, on_notice=on_notice)
 
 
@@ -50,7 +50,8 @@ def run_engine(lm, dist, job: GenerateJob, specs: list[PromptSpec], opts: BatchO
     context = context_notice(lm.config, [len(r.prompt_ids) + r.max_tokens for r in requests]) if lm.config else None
     if context:
         note(context)
-    engine = Engine(lm.model, lm.tokenizer, policy, opts.batch_size, GenerateConfig(job.sampling, job.prefill_chunk),
+    config = GenerateConfig(job.sampling, job.prefill_chunk, PrefillMemory(lm.model, lm.config, policy))
+    engine = Engine(lm.model, lm.tokenizer, policy, opts.batch_size, config,
                     kv_budget=budget, batch_need=need, on_finish=on_finish, decoder=decoder)
     mx.reset_peak_memory()
     t0 = time.perf_counter()
@@ -83,7 +84,7 @@ def build_requests(lm, job: GenerateJob, specs: list[PromptSpec]) -> list[Reques
         if not ids:
             raise MlxkvError(f"prompt {s.id} is empty after tokenization")
         max_tokens = job.max_tokens if s.max_tokens is None else s.max_tokens
-        requests.append(Request(tuple(ids), max_tokens, s.id, job.stop))
+        requests.append(Request(tuple(ids), max_tokens, s.id, job.stop, adapter=s.adapter))
     return requests
 
 

@@ -233,7 +233,7 @@ class PrefillMemory:
         enough to plan (the prefill then runs unbounded, as before)."""
         try:
             plan = plan_for_model(self.model, self.config, self.policy, context, attention=self.attention)
-        except (KeyError, TypeError, ValueError, ZeroDivisionError, MlxkvError):
+        except (AttributeError, KeyError, TypeError, ValueError, ZeroDivisionError, MlxkvError):
             return None
         return max(plan.peak, mx.get_active_memory() + plan.kv + plan.transient.total)
 
