@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .adapters import apply_adapter
+from .adapter_set import install_adapters
 from .distributed import load_for_run
 from .engine.prompts_file import PromptSpec
 from .errors import MlxkvError
@@ -23,8 +23,7 @@ def run_speculative(job: GenerateJob, specs: list[PromptSpec], opts: BatchOption
         raise MlxkvError("--save-cache and --load-cache are not supported with speculative decoding")
     policy = resolve_policy(job.kv)
     lm, dist = load_for_run(job.model, job.dtype, repr((job, specs, opts, spec)), job.extra_eos)
-    if job.adapter_path:
-        apply_adapter(lm.model, job.adapter_path)  # the target's; a draft model runs without it
+    install_adapters(lm.model, job.adapter_path, [s.adapter for s in specs])  # the target's; a draft runs without
     if dist.size > 1:
         raise MlxkvError(f"speculative decoding runs on one rank; this launch has {dist.size} "
                          "(drop --draft or run without the launcher)")

@@ -5,43 +5,27 @@ import json
 
 import mlx.core as mx
 import pytest
-from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_lm_load
 from mlx_lm.generate import generate_step
-from mlx_lm.tuner.utils import linear_to_lora_layers
 from typer.testing import CliRunner
 
+from fixtures.lora import make_adapter
 from mlxkv_cli.main import build_app
 
 PROMPTS = ["Once upon a time", "The dog ran"]
 
 
-def make_adapter(model_dir, out, rank=4, seed=0):
-    """A LoRA adapter for the model in `model_dir` whose B matrices are not zero (so it changes
-    the output), written as mlx-lm writes one."""
-    model, _ = mlx_lm_load(str(model_dir))
-    params = {"rank": rank, "scale": 4.0, "dropout": 0.0}
-    model.freeze()  # as mlx-lm trains: only the LoRA matrices are adapter weights
-    linear_to_lora_layers(model, len(model.layers), params)
-    mx.random.seed(seed)
-    weights = {k: (mx.random.normal(v.shape) * 0.5 if k.endswith("lora_b") else v)
-               for k, v in tree_flatten(model.trainable_parameters())}
-    out.mkdir(parents=True)
-    mx.save_safetensors(str(out / "adapters.safetensors"), weights)
-    (out / "adapter_config.json").write_text(json.dumps(
-        {"fine_tune_type": "lora", "num_layers": len(model.layers), "lora_parameters": params}))
-    return out
-
-
 @pytest.fixture(scope="module")
 def llama_adapter(tiny_models, tmp_path_factory):
-    return make_adapter(tiny_models("llama"), tmp_path_factory.mktemp("adapters") / "llama-lora")
+    # dropout as trained: inference must not apply it (mlx-lm's load puts the model in eval mode)
+    return make_adapter(tiny_models("llama"), tmp_path_factory.mktemp("adapters") / "llama-lora", dropout=0.3)
 
 
 def run(args):
     r = CliRunner().invoke(build_app(), ["generate", "-n", "10", "--json", "--no-chat-template"] + args)
     assert r.exit_code == 0, r.output
-    return [json.loads(x)["token_ids"] for x in r.stdout.splitlines() if '"completion"' in x]
+    return [c["token_ids"] for c in sorted((json.loads(x) for x in r.stdout.splitlines() if '"completion"' in x),
+                                          key=lambda c: int(c["id"]))]  # printed as rows finish
 
 
 def test_adapter_changes_the_output_as_mlx_lm_does(tiny_models, llama_adapter):

@@ -13,6 +13,7 @@ from typing import Callable, Iterator
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..adapter_set import select_rows
 from .engine import GenerateConfig
 from .forward import forward, prefill
 from .runner import sample_row, with_logprobs
@@ -71,6 +72,7 @@ def generate_one(model: nn.Module, tokenizer, request: Request, caches: list,
     ("abort", with the text so far) instead of propagating.
     """
     seq = Sequence(request, tokenizer, config.sampling)
+    select_rows(model, [request])  # its LoRA adapter, where the model holds several
     feed = list(request.prompt_ids[held:])
     seq.out.prompt_tokens = len(feed)
     try:

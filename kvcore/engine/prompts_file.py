@@ -1,4 +1,4 @@
-"""--prompts-file: JSON Lines (`{"prompt": ..., "max_tokens": ..., "id": ...}`) or plain text
+"""--prompts-file: JSON Lines (`{"prompt": ..., "max_tokens": ..., "id": ..., "adapter": DIR}`) or plain text
 (one prompt a line). Validated whole before anything is generated. A row without an id gets its
 position among the prompts, from 0, as `-p` rows do (blank lines are skipped, not counted)."""
 
@@ -8,6 +8,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..adapters import check_adapter_folder
 from ..errors import MlxkvError
 
 
@@ -16,6 +17,7 @@ class PromptSpec:
     prompt: str
     id: str
     max_tokens: int | None = None  # None: the run's --max-tokens
+    adapter: str | None = None  # a LoRA adapter folder for this row (None: the run's --adapter-path)
 
 
 def _from_json(path: Path, n: int, line: str, index: int) -> PromptSpec:
@@ -28,7 +30,7 @@ def _from_json(path: Path, n: int, line: str, index: int) -> PromptSpec:
         raise MlxkvError(f"{where}: nested too deeply to read") from None
     if not isinstance(obj, dict):
         raise MlxkvError(f"{where}: expected a JSON object")
-    unknown = set(obj) - {"prompt", "max_tokens", "id"}
+    unknown = set(obj) - {"prompt", "max_tokens", "id", "adapter"}
     if unknown:
         raise MlxkvError(f"{where}: unknown key {sorted(unknown)[0]!r}")
     if not isinstance(obj.get("prompt"), str) or not obj["prompt"]:
@@ -39,7 +41,10 @@ def _from_json(path: Path, n: int, line: str, index: int) -> PromptSpec:
     rid = obj.get("id", str(index))
     if not isinstance(rid, (str, int)) or isinstance(rid, bool):
         raise MlxkvError(f"{where}: id must be a string or integer")
-    return PromptSpec(obj["prompt"], str(rid), mt)
+    adapter = obj.get("adapter")
+    if adapter is not None and (not isinstance(adapter, str) or not adapter):
+        raise MlxkvError(f"{where}: adapter must be a folder name (a string)")
+    return PromptSpec(obj["prompt"], str(rid), mt, adapter)
 
 
 def load_prompts_file(path: str | Path) -> list[PromptSpec]:
@@ -64,4 +69,6 @@ def load_prompts_file(path: str | Path) -> list[PromptSpec]:
             raise MlxkvError(f"prompts file {path.name}: id {spec.id!r} appears more than once (lines "
                              f"{first[spec.id]} and {n})")
         first[spec.id] = n
+    for folder, n in {s.adapter: n for (n, _), s in reversed(list(zip(numbered, specs))) if s.adapter}.items():
+        check_adapter_folder(folder, f"prompts file {path.name} line {n}: adapter")  # once per folder
     return specs

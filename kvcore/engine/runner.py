@@ -15,10 +15,9 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
 from ..attention.config import DEFAULT as DEFAULT_ATTENTION
-from ..adapter_set import adapter_set
+from ..adapter_set import select_rows
 from ..attention.config import AttentionConfig, AttentionStats
 from ..cache.dense_batch import DenseBatchKVCache
-from ..errors import MlxkvError
 from ..policy import KVPolicy, build_caches
 from ..transient import memory_limit
 from .forward import forward, prefill_chunk
@@ -44,7 +43,6 @@ class Runner:
         self.merge_single = merge_single  # speculative rounds need batch caches from the first row
         self.caches: list | None = None  # the running rows' caches
         self.merged = False
-        self.adapters = adapter_set(model)  # per-row LoRA adapters, when the model has a set installed
 
     def new_caches(self) -> list:
         return build_caches(self.model, self.policy, self.attention, self.stats)[0]
@@ -70,11 +68,7 @@ class Runner:
 
     def select_rows(self, seqs: list[Sequence]) -> None:
         """The next forward's rows: each through its adapter (kvcore/adapter_set.py)."""
-        if self.adapters is not None:
-            self.adapters.select([self.adapters.index(s.request.adapter) for s in seqs])
-        elif any(s.request.adapter for s in seqs):
-            raise MlxkvError(f"row {next(s.id for s in seqs if s.request.adapter)} names an adapter, but the "
-                             "model has no per-row adapters installed (kvcore.adapter_set.AdapterSet)")
+        select_rows(self.model, [s.request for s in seqs])
 
     # -- membership -------------------------------------------------------------
     def join(self, caches: list) -> None:
