@@ -33,7 +33,7 @@ def generate(
     prompt_arg: Annotated[Optional[str], typer.Argument(metavar="PROMPT", help="The prompt ('-' reads stdin).")] = None,
     prompt: Annotated[Optional[list[str]], typer.Option("--prompt", "-p", help="A prompt ('-' reads stdin); repeat for a batch.")] = None,
     prompt_file: Annotated[Optional[Path], typer.Option(help="Read the prompt from a file ('-' for stdin).")] = None,
-    prompts_file: Annotated[Optional[Path], typer.Option(help="Many prompts: JSON Lines {\"prompt\", \"max_tokens\", \"id\"} or one prompt a line.")] = None,
+    prompts_file: Annotated[Optional[Path], typer.Option(help="Many prompts: JSON Lines {\"prompt\", \"max_tokens\", \"id\", \"adapter\"} or one prompt a line.")] = None,
     batch_size: BatchSizeOpt = 8,
     max_kv_bytes: MaxKvBytesOpt = None,
     model: ModelOpt = None,
