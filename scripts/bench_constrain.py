@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import time
 
 from rich.progress import track
@@ -51,9 +52,11 @@ def main() -> None:
         res["free"].append(run(lm, a.rows, a.max_tokens, None))
         res["constrained"].append(run(lm, a.rows, a.max_tokens, spec))
     best = {k: max(r["decode_tps"] for r in v) for k, v in res.items()}
+    median = {k: statistics.median(r["decode_tps"] for r in v) for k, v in res.items()}  # shared cores: both
     doc = {"model": lm.source, "rows": a.rows, "max_tokens": a.max_tokens, "backend": backend_name(),
            "machine": platform.platform(), "date": time.strftime("%Y-%m-%d"), "versions": versions(), "runs": res,
-           "best_decode_tps": best, "ratio": round(best["constrained"] / best["free"], 3)}
+           "best_decode_tps": best, "ratio": round(best["constrained"] / best["free"], 3),
+           "median_decode_tps": median, "median_ratio": round(median["constrained"] / median["free"], 3)}
     print(json.dumps(doc))
     if a.out:
         with open(a.out, "w") as f:
