@@ -91,7 +91,7 @@ def read_lora(path: str | Path, modules: dict, what: str) -> dict[str, tuple[mx.
         raise MlxkvError(f"{what} {p}: lora_parameters.scale must be a number") from None
     try:
         weights = mx.load(str(p / WEIGHTS))
-    except Exception as e:  # a truncated or foreign file
+    except (RuntimeError, ValueError, OSError) as e:  # a truncated or foreign file
         raise MlxkvError(f"{what} {p}: {WEIGHTS} does not load ({type(e).__name__})") from None
     pairs, errors = {}, []
     for name, w in weights.items():

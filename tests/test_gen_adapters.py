@@ -5,11 +5,11 @@ import json
 
 import mlx.core as mx
 import pytest
+from fixtures.lora import make_adapter
 from mlx_lm import load as mlx_lm_load
 from mlx_lm.generate import generate_step
 from typer.testing import CliRunner
 
-from fixtures.lora import make_adapter
 from mlxkv_cli.main import build_app
 
 PROMPTS = ["Once upon a time", "The dog ran"]

@@ -5,9 +5,9 @@ an adapter for another model, or a folder that is not one, is a one-line error."
 import json
 
 import pytest
+from fixtures.lora import make_adapter
 from typer.testing import CliRunner
 
-from fixtures.lora import make_adapter
 from kvcore.adapter_set import AdapterSet
 from kvcore.engine import Engine, GenerateConfig, Request, generate_one
 from kvcore.errors import MlxkvError
@@ -89,12 +89,17 @@ def test_compressed_and_speculative_rows_equal_alone(setup, alone):
 
 
 def test_bad_row_adapters_are_one_line(setup, tiny_models, tmp_path):
-    m, a1, _, root = setup
+    m, a1, _, _ = setup
     other = make_adapter(tiny_models("qwen3"), tmp_path / "qwen3-lora")  # another model's shapes
     dora = make_adapter(tiny_models("llama"), tmp_path / "dora")
     cfg = json.loads((dora / "adapter_config.json").read_text())
     (dora / "adapter_config.json").write_text(json.dumps({**cfg, "fine_tune_type": "dora"}))
+    garbage = tmp_path / "garbage"
+    garbage.mkdir()
+    (garbage / "adapter_config.json").write_text(json.dumps(cfg))
+    (garbage / "adapters.safetensors").write_bytes(b"not safetensors")
     cases = [([(PROMPTS[0], a1), (PROMPTS[1], str(other))], "does not fit this model"),
+             ([(PROMPTS[0], str(garbage))], "does not load"),
              ([(PROMPTS[0], None), (PROMPTS[1], str(tmp_path / "missing"))], "line 2: adapter"),
              ([(PROMPTS[0], str(dora)), (PROMPTS[1], None)], "LoRA only")]
     for k, (rows, msg) in enumerate(cases):
