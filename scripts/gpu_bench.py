@@ -82,7 +82,7 @@ def uneven(mean: int, rows: int) -> list[int]:
 
 def mlxkv_decode(model, cfg, scheme: str, ctx: int, rows: int, gen: int, kernel: bool) -> dict:
     policy = scheme_policy(scheme)
-    attention = AttentionConfig(cuda_kernel=kernel)
+    attention = AttentionConfig(cuda_kernel=kernel, cuda_min_tokens=0)  # kernel rows: forced at every context
     engine = Engine(model, None, policy, rows, GenerateConfig(prefill_chunk=2048), interleave=False,
                     attention=attention, ignore_eos=True)
     lengths = uneven(ctx, rows) if ctx < 0 else [ctx] * rows  # ctx < 0: rows of 1k..15k tokens, mean -ctx
@@ -178,6 +178,8 @@ def main() -> None:
     ap.add_argument("--tests-s", type=float, default=240, help="time limit of the test run")
     ap.add_argument("--output", default=None)
     ap.add_argument("--smoke", action="store_true", help="tiny contexts (a CPU check of the script itself)")
+    ap.add_argument("--contexts", default=None, help="only the decode cases of these contexts (e.g. 512,32768)")
+    ap.add_argument("--no-prefill", action="store_true", help="skip the prefill cases")
     a = ap.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     if a.tests:
@@ -216,9 +218,14 @@ def main() -> None:
                      ("mlxkv", "turbo:k4v3", True)]),
     ]
     prefills = (32768, 65536, 131072)
+    if a.contexts:
+        keep = {int(c) for c in a.contexts.split(",")}
+        plan = [p for p in plan if p[0] in keep]
+    if a.no_prefill:
+        prefills = ()
     if a.smoke:
         plan = [(c // 256, min(r, 4), e) for c, r, e in plan]
-        prefills = (256, 512)
+        prefills = () if a.no_prefill else (256, 512)
     for ctx, rows, engines in plan:
         runs = {i: [] for i in range(len(engines))}
         for _ in range(a.repeats if ctx <= 32768 else 2):

@@ -36,7 +36,8 @@ def build(kind: str, ctx: int, layers: int):
             c = KVCache()
         else:
             spec = CodecSpec("full") if kind.startswith("full") else CodecSpec("affine", 4, 64)
-            c = CompressedKVCache(spec, start=0, attention=AttentionConfig(cuda_kernel=kind.endswith("kernel")))
+            kernel = kind.endswith("kernel")  # forced at every context (the default serves from cuda_min_tokens)
+            c = CompressedKVCache(spec, start=0, attention=AttentionConfig(cuda_kernel=kernel, cuda_min_tokens=0))
         for lo in range(0, ctx, 8192):
             n = min(8192, ctx - lo)
             c.update_and_fetch(mx.random.normal((1, HKV, n, D)).astype(mx.bfloat16),
