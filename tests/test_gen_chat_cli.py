@@ -62,7 +62,11 @@ def test_bad_input_keeps_the_session_or_is_one_line(chat_model, tmp_path):
 
 def test_ctrl_c_stops_the_answer_not_the_session(chat_model):
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}  # keeps where mlx is
-    proc = subprocess.Popen([sys.executable, "-m", "mlxkv_cli", "chat", "-m", chat_model, "-n", "20000"],
+    # Ctrl-C must reach the chat even where this suite runs with SIGINT ignored (a background job
+    # without job control): Python leaves an ignored SIGINT ignored, so the child installs its handler itself
+    entry = ("import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+             "runpy.run_module('mlxkv_cli', run_name='__main__', alter_sys=True)")
+    proc = subprocess.Popen([sys.executable, "-c", entry, "chat", "-m", chat_model, "-n", "20000"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=ROOT)
     got = b""
 
