@@ -247,6 +247,6 @@ def test_kernel_default_follows_the_backend_and_the_environment(monkeypatch):
     for value, want in (("1", True), ("0", False)):
         monkeypatch.setenv("MLXKV_CUDA_DECODE", value)
         assert AttentionConfig().cuda_kernel is want
-    assert AttentionConfig().cuda_min_tokens == 65536
+    assert AttentionConfig().cuda_min_tokens == 8192
     with pytest.raises(MlxkvError, match="cuda_min_tokens"):
         AttentionConfig(cuda_min_tokens=-1)

@@ -32,7 +32,7 @@ class AttentionConfig:
     block: int | None = None  # tokens per block; set: always blockwise (tests), None: from block_bytes
     qmm: bool = True  # CPU/Metal: decode attention from packed words with mx.quantized_matmul
     cuda_kernel: bool = field(default_factory=_env_kernel)  # CUDA: the fused decode kernel
-    cuda_min_tokens: int = 65536  # ... for calls reading rows x stored tokens >= this (H200 crossover); 0: all
+    cuda_min_tokens: int = 8192  # ... for calls reading rows x stored tokens >= this (H200 crossover); 0: all
     rotated: bool = True  # rotation codecs: attend in the rotated basis
 
     def __post_init__(self):
