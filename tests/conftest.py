@@ -56,3 +56,25 @@ def dense_gguf(tmp_path_factory) -> Path:
     from gguf_helpers import write_dense
 
     return write_dense(tmp_path_factory.mktemp("gguf") / "stories260K-f32.gguf")
+
+
+# --- bench ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def stories_bench(tmp_path_factory):
+    """``(report, stderr, png)`` of one ``mlxkv bench --json`` on the embedded model: full and affine:4
+    at contexts 16 and 32, 3 tokens, one repeat (mlx-lm cannot quantize its head_dim 8), plotted to
+    ``png`` where matplotlib is installed (else None).  One run shared by the bench tests."""
+    import importlib.util
+    import json
+
+    from typer.testing import CliRunner
+
+    from mlxkv_cli.main import build_app
+
+    args = ["bench", "--kv", "full,affine:4", "--context", "16,32", "--gen", "3", "--repeats", "1", "--json"]
+    png = tmp_path_factory.mktemp("bench") / "p.png" if importlib.util.find_spec("matplotlib") else None
+    r = CliRunner().invoke(build_app(), args + (["--plot", str(png)] if png else []))
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout), r.stderr, png

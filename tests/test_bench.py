@@ -58,11 +58,12 @@ def test_bench_rows_are_cross_checked(tiny_models, tmp_path):
     assert json.loads((tmp_path / "b.json").read_text())["rows"] == rep["rows"]
 
 
-def test_bench_default_model_shows_mlx_lm_failing(tmp_path):
-    rep = bench("--kv", "full,affine:4", "--context", "32", "--batch", "1")
-    by = {(r["scheme"], r["engine"]): r for r in rep["rows"]}
-    assert "divisible by the quantization group" in by[("affine:4", "mlx-lm")]["error"]
-    assert "error" not in by[("full", "mlx-lm")] and "error" not in by[("affine:4", "mlxkv")]
+def test_bench_default_model_shows_mlx_lm_failing(stories_bench):
+    rep = stories_bench[0]  # conftest: full and affine:4 at contexts 16 and 32
+    for context in (16, 32):
+        by = {(r["scheme"], r["engine"]): r for r in rep["rows"] if r["context"] == context}
+        assert "divisible by the quantization group" in by[("affine:4", "mlx-lm")]["error"]
+        assert "error" not in by[("full", "mlx-lm")] and "error" not in by[("affine:4", "mlxkv")]
     assert rep["meta"]["weights"] == "trained"
 
 
@@ -79,11 +80,9 @@ def test_bench_plot_needs_matplotlib(monkeypatch, tmp_path):
     assert r.exit_code == 1 and "mlxkv[plot]" in r.stderr and not (tmp_path / "p.png").exists()
 
 
-def test_bench_plot_written(tmp_path):
+def test_bench_plot_written(stories_bench):
     pytest.importorskip("matplotlib")
-    r = runner.invoke(build_app(), ["bench", "--kv", "full", "--context", "16,32", "--gen", "3", "--repeats", "1",
-                                    "--plot", str(tmp_path / "p.png"), "--json"])
-    assert r.exit_code == 0 and (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+    assert stories_bench[2].read_bytes()[:4] == b"\x89PNG"  # conftest's run, with --plot
 
 
 @pytest.mark.parametrize("args,message", [

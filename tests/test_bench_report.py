@@ -2,29 +2,23 @@
 bandwidth share's meaning and its errors, baselines bounded by time, and the figure."""
 
 import io
-import json
 
 import pytest
 from backend_expect import mlx_lm_quantized_runs
 from mlx_lm import load
 from rich.console import Console
-from typer.testing import CliRunner
 
 from kvcore.backend import backend_name
 from kvcore.bench.baseline_time import project_prefill
 from kvcore.bench.grid import BenchConfig, run_grid
 from mlxkv_cli import bench_output
-from mlxkv_cli.main import build_app
 from mlxkv_cli.progress import Steps
 
 
 @pytest.fixture(scope="module")
-def run():
-    """stories260K, full and affine:4 at two contexts: mlx-lm cannot quantize head_dim 8."""
-    r = CliRunner().invoke(build_app(), ["bench", "--kv", "full,affine:4", "--context", "16,32", "--gen", "3",
-                                         "--repeats", "1", "--json"])
-    assert r.exit_code == 0, r.output
-    return json.loads(r.stdout), r.stderr
+def run(stories_bench):
+    """stories260K, full and affine:4 at two contexts: mlx-lm cannot quantize head_dim 8 (conftest)."""
+    return stories_bench[:2]
 
 
 def test_progress_is_a_line_per_case_in_a_pipe(run):
