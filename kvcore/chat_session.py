@@ -117,7 +117,7 @@ class ChatSession:
 
     def load(self, path: str | Path) -> None:
         """Continue from a cache file (its KV policy; its conversation when saved beside it)."""
-        from .resume import open_for_model
+        from .jobs.resume import open_for_model
 
         cf = open_for_model(path, self.lm)
         caches = cf.restore()

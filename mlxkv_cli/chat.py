@@ -17,7 +17,7 @@ from kvcore.engine import SamplingConfig
 from kvcore.errors import MlxkvError
 from kvcore.models import dtype_name, load_model
 from kvcore.policy import KVOptions, resolve_policy
-from kvcore.run import check_row_fits
+from kvcore.jobs.generate import check_row_fits
 from kvcore.units import format_bytes
 
 from . import output

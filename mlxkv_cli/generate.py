@@ -14,8 +14,8 @@ from kvcore.engine.constrain import ConstraintSpec
 from kvcore.errors import MlxkvError
 from kvcore.models import dtype_name
 from kvcore.policy import KVOptions, resolve_policy
-from kvcore.run import BatchOptions, GenerateJob, run_generate
-from kvcore.run_batch import run_batch
+from kvcore.jobs.generate import BatchOptions, GenerateJob, run_generate
+from kvcore.jobs.batch import run_batch
 from kvcore.store.mlx_lm_load import is_mlx_lm_cache
 from kvcore.units import parse_bytes
 

@@ -6,9 +6,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvcore.run import GenerateJob
-from kvcore.run_batch import BatchOptions
-from kvcore.run_spec import run_speculative
+from kvcore.jobs.generate import GenerateJob
+from kvcore.jobs.batch import BatchOptions
+from kvcore.jobs.speculative import run_speculative
 from kvcore.speculative import SpecOptions, draft_names
 
 from . import output

@@ -34,8 +34,8 @@ from kvcore.backend import backend_name, versions  # noqa: E402
 from kvcore.codecs import CodecSpec, make_codec  # noqa: E402
 from kvcore.engine.prompts_file import PromptSpec  # noqa: E402
 from kvcore.policy import KVOptions  # noqa: E402
-from kvcore.run import GenerateJob, run_generate  # noqa: E402
-from kvcore.run_batch import BatchOptions, run_batch  # noqa: E402
+from kvcore.jobs.generate import GenerateJob, run_generate  # noqa: E402
+from kvcore.jobs.batch import BatchOptions, run_batch  # noqa: E402
 
 SMOL = Path(os.environ.get("MLXKV_HOME", Path.home() / ".cache/mlxkv")) / "models/SmolLM2-135M-Instruct-f32"
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis in one sentence.",

@@ -33,7 +33,7 @@ from fixtures.tiny_models import build_tiny_model  # noqa: E402
 from kvcore.errors import MlxkvError  # noqa: E402
 from kvcore.models import load_model  # noqa: E402
 from kvcore.policy import KVOptions  # noqa: E402
-from kvcore.run import GenerateJob, run_generate  # noqa: E402
+from kvcore.jobs.generate import GenerateJob, run_generate  # noqa: E402
 from kvcore.store import inspect_cache, open_cache_file  # noqa: E402
 
 PROMPT = "Once upon a time there was a little girl who liked to play in the park"

@@ -10,7 +10,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from kvcore.policy import KVOptions
-from kvcore.run import GenerateJob, run_generate
+from kvcore.jobs.generate import GenerateJob, run_generate
 from mlxkv_cli.convert_kv import convert_kv
 from mlxkv_cli.inspect_cache import inspect_cache
 from mlxkv_cli.main import build_app

@@ -81,7 +81,7 @@ def test_summary_splits_compressed_and_dense_tokens(llama):
     the summary says so instead of calling it converted."""
     from kvcore.engine import kv_summary
     from kvcore.policy import build_caches
-    from kvcore.run_batch import compression_notes
+    from kvcore.jobs.batch import compression_notes
 
     model, tok = llama
     policy = resolve_policy(KVOptions(kv_bits=4, kv_group_size=64, quantized_kv_start=0))

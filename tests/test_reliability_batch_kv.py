@@ -19,8 +19,8 @@ from helpers import ROW_PROMPTS
 from kvcore import models
 from kvcore.engine.prompts_file import PromptSpec
 from kvcore.policy import KVOptions
-from kvcore.run import GenerateJob, run_generate
-from kvcore.run_batch import BatchOptions, run_batch
+from kvcore.jobs.generate import GenerateJob, run_generate
+from kvcore.jobs.batch import BatchOptions, run_batch
 
 N = 12
 

@@ -11,7 +11,7 @@ from ..distributed import load_for_run
 from ..engine import Engine, GenerateConfig
 from ..models import trained_context
 from ..policy import KVPolicy, resolve_policy
-from ..run_batch import BatchOptions, admission
+from ..jobs.batch import BatchOptions, admission
 from ..store import model_fingerprint
 from ..transient import PrefillMemory
 from .config import ServeConfig

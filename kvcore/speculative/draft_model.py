@@ -25,7 +25,7 @@ from .rows import Checkpoint, check_caches, feed, feed_lists, next_starts, rollb
 
 if TYPE_CHECKING:
     from ..models import LoadedModel
-    from ..run import GenerateJob
+    from ..jobs.generate import GenerateJob
     from .drafts import SpecOptions
 
 

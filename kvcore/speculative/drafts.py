@@ -22,7 +22,7 @@ from ..errors import MlxkvError
 
 if TYPE_CHECKING:
     from ..models import LoadedModel
-    from ..run import GenerateJob
+    from ..jobs.generate import GenerateJob
 
 MAX_DRAFT = 64
 

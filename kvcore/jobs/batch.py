@@ -7,19 +7,19 @@ from typing import Callable
 
 import mlx.core as mx
 
-from .adapter_set import install_adapters
-from .backend import backend_name, versions
-from .engine import Engine, GenerateConfig, Request
-from .engine.memory import batch_need
-from .engine.prompt import encode_prompt
-from .engine.prompts_file import PromptSpec
-from .errors import MlxkvError
-from .models import context_notice
-from .distributed import load_for_run
-from .policy import resolve_policy
-from .policy.plan import plan_layers
-from .run import BatchOptions, GenerateJob, RunResult, check_fits, kv_budget
-from .transient import PrefillMemory
+from ..adapter_set import install_adapters
+from ..backend import backend_name, versions
+from ..distributed import load_for_run
+from ..engine import Engine, GenerateConfig, Request
+from ..engine.memory import batch_need
+from ..engine.prompt import encode_prompt
+from ..engine.prompts_file import PromptSpec
+from ..errors import MlxkvError
+from ..models import context_notice
+from ..policy import resolve_policy
+from ..policy.plan import plan_layers
+from ..transient import PrefillMemory
+from .generate import BatchOptions, GenerateJob, RunResult, check_fits, kv_budget
 
 
 def run_batch(job: GenerateJob, specs: list[PromptSpec], opts: BatchOptions,

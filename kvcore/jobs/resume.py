@@ -14,13 +14,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .engine.forward import cache_offset
-from .engine.reuse import reuse_prefix
-from .errors import MlxkvError
-from .policy import KVPolicy, LayerPlan, plan_layers
-from .store import (CacheFile, Sharding, check_fingerprint, check_sharding, local_kv_heads, model_fingerprint,
-                    open_cache_file, rank_path, save_cache)
-from .store.mlx_lm_load import UNKNOWN, MlxLmCache, is_mlx_lm_cache, open_mlx_lm_cache
+from ..engine.forward import cache_offset
+from ..engine.reuse import reuse_prefix
+from ..errors import MlxkvError
+from ..policy import KVPolicy, LayerPlan, plan_layers
+from ..store import (
+    CacheFile,
+    Sharding,
+    check_fingerprint,
+    check_sharding,
+    local_kv_heads,
+    model_fingerprint,
+    open_cache_file,
+    rank_path,
+    save_cache,
+)
+from ..store.mlx_lm_load import UNKNOWN, MlxLmCache, is_mlx_lm_cache, open_mlx_lm_cache
 
 
 @dataclass

@@ -7,25 +7,24 @@ from typing import Callable
 
 import mlx.core as mx
 
-from .adapters import apply_adapter
-from .attention.hook import attention_stats, bind
-from .backend import backend_name, versions
-from .engine import GenerateConfig, Request, SamplingConfig, generate_one, kv_summary
-from .engine.forward import DEFAULT_PREFILL_CHUNK
-from .engine.chat import continue_chat, conversation, held_ids, save_conversation
-from .engine.memory import batch_need, default_kv_budget, model_bytes
-from .engine.prompt import encode_continuation, encode_prompt, has_chat_template
-from .errors import MlxkvError
-from .models import context_notice
-from .distributed import launched, load_for_run, on_every_rank
-from .engine.forward import cache_offset
-from .policy import KVOptions, build_caches, resolve_policy
-from .policy.plan import plan_layers
+from ..adapters import apply_adapter
+from ..attention.hook import attention_stats, bind
+from ..backend import backend_name, versions
+from ..distributed import launched, load_for_run, on_every_rank
+from ..engine import GenerateConfig, Request, SamplingConfig, generate_one, kv_summary
+from ..engine.chat import continue_chat, conversation, held_ids, save_conversation
+from ..engine.forward import DEFAULT_PREFILL_CHUNK, cache_offset
+from ..engine.memory import batch_need, default_kv_budget, model_bytes
+from ..engine.prompt import encode_continuation, encode_prompt, has_chat_template
+from ..errors import MlxkvError
+from ..models import context_notice
+from ..policy import KVOptions, build_caches, resolve_policy
+from ..policy.plan import plan_layers
+from ..store import Sharding, rank_path
+from ..store.atomic import check_target
+from ..transient import PrefillMemory
+from ..units import format_bytes
 from .resume import open_for_model, run_sharding, save_after_run, start_from_cache
-from .store import Sharding, rank_path
-from .store.atomic import check_target
-from .transient import PrefillMemory
-from .units import format_bytes
 
 
 @dataclass

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .adapter_set import install_adapters
-from .distributed import load_for_run
-from .engine.prompts_file import PromptSpec
-from .errors import MlxkvError
-from .policy import resolve_policy
-from .run import GenerateJob, RunResult
-from .run_batch import BatchOptions, run_engine
-from .speculative import SpecOptions, draft_for_job
-from .speculative.engine import SpeculativeDecode
+from ..adapter_set import install_adapters
+from ..distributed import load_for_run
+from ..engine.prompts_file import PromptSpec
+from ..errors import MlxkvError
+from ..policy import resolve_policy
+from ..speculative import SpecOptions, draft_for_job
+from ..speculative.engine import SpeculativeDecode
+from .batch import BatchOptions, run_engine
+from .generate import GenerateJob, RunResult
 
 
 def run_speculative(job: GenerateJob, specs: list[PromptSpec], opts: BatchOptions, spec: SpecOptions,
