@@ -11,9 +11,13 @@ from kvcore.policy import KVOptions, resolve_policy
 from kvcore.units import format_bytes, parse_bytes
 
 from .hub import fetch_model
-from .options import (DtypeOpt, KeepOpt, KvBitsOpt, KvConfigOpt, KvGroupOpt, KvOpt, KvStartOpt, MaxKvOpt, ModelOpt,
-                      OfflineOpt, ProfileOpt)
+from .options import (BatchSizeOpt, DtypeOpt, KeepOpt, KvBitsOpt, KvConfigOpt, KvGroupOpt, KvOpt, KvStartOpt,
+                      MaxKvBytesOpt, MaxKvOpt, MaxTokensOpt, ModelOpt, OfflineOpt, PrefillChunkOpt, ProfileOpt,
+                      reworded)
 from .output import err
+
+DefaultTokensOpt = reworded(MaxTokensOpt, "A chat request's max_tokens when it sets none (clamped to the context).")
+StepChunkOpt = reworded(PrefillChunkOpt, "Prompt tokens per forward pass (one chunk between decode steps).")
 
 
 def serve(
@@ -21,13 +25,13 @@ def serve(
     dtype: DtypeOpt = None,
     host: Annotated[str, typer.Option(help="Address to listen on (127.0.0.1: this machine only; 0.0.0.0: every interface).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on (0: any free port).")] = 8080,
-    batch_size: Annotated[int, typer.Option(help="Most rows decoding together (continuous batching).")] = 8,
-    max_kv_bytes: Annotated[Optional[str], typer.Option(help="KV budget for admitting rows, e.g. 2GB (default: the GPU's working set or half of RAM).")] = None,
+    batch_size: BatchSizeOpt = 8,
+    max_kv_bytes: MaxKvBytesOpt = None,
     max_queue: Annotated[int, typer.Option(help="Rows waiting beyond the running batch (a request with n choices is n rows); more are refused with 429.")] = 64,
     api_key: Annotated[Optional[str], typer.Option(envvar="MLXKV_API_KEY", show_envvar=True, help="Require `Authorization: Bearer KEY` on every route but /health.")] = None,
     max_body_bytes: Annotated[str, typer.Option(help="Largest request body (413 beyond it).")] = "4MiB",
-    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="A chat request's max_tokens when it sets none (clamped to the context).")] = 512,
-    prefill_chunk: Annotated[int, typer.Option(help="Prompt tokens per forward pass (one chunk between decode steps).")] = 512,
+    max_tokens: DefaultTokensOpt = 512,
+    prefill_chunk: StepChunkOpt = 512,
     served_model_name: Annotated[Optional[str], typer.Option(help="The model id clients name (default: the model's name).")] = None,
     cors: Annotated[Optional[list[str]], typer.Option(help="Allow browser requests from this origin (repeatable; default: none).")] = None,
     shutdown_timeout: Annotated[float, typer.Option(help="Seconds running requests get to finish on SIGINT/SIGTERM.")] = 30.0,
