@@ -22,7 +22,7 @@ CHUNK = 8
 @pytest.fixture(scope="module")
 def loaded(tiny_models):
     return per_family(tiny_models, lambda path, model, tok: (
-        model, tok, [Request(tuple(tok.encode(p)), 14 + 4 * i, str(i)) for i, p in enumerate(PROMPTS)]))
+        model, tok, [Request(tuple(tok.encode(p)), 12 + 2 * i, str(i)) for i, p in enumerate(PROMPTS)]))
 
 
 def alone_and_batched(model, tok, reqs, opts, batch_size):
@@ -48,8 +48,12 @@ KINDS = {
 }
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("kind", list(KINDS))
+# "affine4" groups 64 tokens where head_dim is 16 or 32 (llama, gemma3, qwen3_5): no row here fills a
+# group, so nothing is encoded, as in affine8-start0's rows below 32 tokens on llama (cut as redundant)
+NOTHING_ENCODED = {("affine4", "llama"), ("affine4", "gemma3"), ("affine4", "qwen3_5")}
+
+
+@pytest.mark.parametrize("kind,family", [(k, f) for k in KINDS for f in FAMILIES if (k, f) not in NOTHING_ENCODED])
 def test_batched_rows_equal_alone(loaded, family, kind):
     model, tok, reqs = loaded(family)
     alone, batched, engine = alone_and_batched(model, tok, reqs, KINDS[kind], batch_size=4)
