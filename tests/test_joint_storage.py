@@ -113,3 +113,16 @@ def test_a_decode_step_decodes_the_buffer_in_place(monkeypatch):
     assert seen[0][2] == c.enc.capacity > c.enc.n and seen[1][2] == c.enc.n
     assert all(mx.array_equal(x, y).item() for x, y in zip(whole, part))
     assert whole[0].shape == (1, HKV, 21, D)
+
+
+def test_the_cache_publishes_its_layout_and_empty_likes_of_itself():
+    c = CompressedKVCache(CodecSpec("affine", 4, 32), start=0)
+    assert c.shape_layout is None
+    c.update_and_fetch(*_tokens(0, 5))
+    lay = c.shape_layout
+    assert (lay.batch, lay.heads, lay.head_dim, lay.value_dim, lay.key_parts, lay.joint, lay.block_tokens) == \
+        (1, HKV, D, D, 3, True, 1)
+    e = c.like(3)
+    assert e.offset == 0 and e.nbytes == 0 and e.converted and e.shape_layout.batch == 3
+    assert e.shape_layout == type(lay)(3, *[getattr(lay, f) for f in ("heads", "head_dim", "value_dim", "dtype",
+                                                                   "key_parts", "joint", "block_tokens")])

@@ -17,6 +17,7 @@ Honours mlx-lm's cache protocol (`update_and_fetch`, `offset`, `make_mask`, `tri
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
@@ -35,6 +36,21 @@ _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16
 
 def _dtype_name(dtype: mx.Dtype) -> str:
     return str(dtype).rsplit(".", 1)[-1]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a CompressedKVCache stores a token, once its dimensions are known: what packing rows
+    together, storage and byte counting read instead of the cache's private fields."""
+
+    batch: int
+    heads: int
+    head_dim: int
+    value_dim: int
+    dtype: mx.Dtype
+    key_parts: int | None  # encoded arrays per key (None: nothing encoded yet)
+    joint: bool  # K and V in one set of encoded arrays (view.Joint)
+    block_tokens: int
 
 
 class CompressedKVCache(_BaseCache):
@@ -98,7 +114,27 @@ class CompressedKVCache(_BaseCache):
         self.joint = (D == Dv and self.key_spec == self.value_spec and self.key_codec is not None
                       and getattr(self.key_codec, "joint", False))
 
-    def _encode(self, keys: mx.array, values: mx.array) -> tuple:
+    @property
+    def shape_layout(self) -> Layout | None:
+        """The typed layout (None before the first tokens fix the dimensions)."""
+        if self._dims is None:
+            return None
+        B, H, D, Dv, dtype = self._dims
+        return Layout(B, H, D, Dv, dtype, getattr(self, "_n_key_parts", None), self.joint, self.block_tokens)
+
+    def like(self, batch: int = 1) -> CompressedKVCache:
+        """An empty cache with this one's settings, codecs and dimensions (`batch` rows)."""
+        row = CompressedKVCache(self.key_spec, self.value_spec, self.start or 0, self.window, self.keep, self.spare,
+                                self.recent, attention=self.attention, stats=self.stats)
+        if self._dims is not None:
+            row._configure((batch, *self._dims[1:]))
+            row.key_codec, row.value_codec = self.key_codec, self.value_codec
+        if hasattr(self, "_n_key_parts"):
+            row._n_key_parts = self._n_key_parts
+        row.converted = self.converted
+        return row
+
+    def encode_tokens(self, keys: mx.array, values: mx.array) -> tuple:
         """The encoded parts of these tokens as the buffer stores them."""
         if self.joint:
             parts = self.key_codec.encode(mx.concatenate([keys, values], axis=1))
@@ -135,7 +171,7 @@ class CompressedKVCache(_BaseCache):
             q_start = self.offset
             if not self.enc.n:
                 self.enc_start = q_start
-            self.enc.append(self._encode(keys, values))
+            self.enc.append(self.encode_tokens(keys, values))
             self.offset += keys.shape[2]
             self.tail_start = self.offset
             view = self._view(q_start, keys.shape[2], None)
@@ -187,7 +223,7 @@ class CompressedKVCache(_BaseCache):
         k, v = self.tail.get(0, nb * bt)
         if not self.enc.n:
             self.enc_start = self.tail_start
-        self.enc.append(self._encode(k, v))
+        self.enc.append(self.encode_tokens(k, v))
         self.tail.drop_front(nb * bt)
         self.tail_start += nb * bt
         if bt == 1 and not self.recent:
@@ -210,7 +246,7 @@ class CompressedKVCache(_BaseCache):
             self.enc.reserve((self.tail.n - self.recent) // bt)
             while self.tail.n - self.recent > step:
                 k, v = self.tail.get(0, step)
-                self.enc.append(self._encode(k, v))
+                self.enc.append(self.encode_tokens(k, v))
                 self.tail.drop_front(step)
                 self.tail_start += step
                 mx.eval(self.enc.parts)

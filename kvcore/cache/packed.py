@@ -15,11 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import copy
-
 import mlx.core as mx
 
-from .buffer import Buffer
 from .compressed import CompressedKVCache
 from .view import Joint
 
@@ -38,7 +35,7 @@ def device_lengths(lengths: list[int]) -> mx.array:
 
 
 def packable(row: CompressedKVCache) -> bool:
-    if row.window is not None or row._dims is None or row.sink.n or row.enc_start != 0:
+    if row.window is not None or row.shape_layout is None or row.sink.n or row.enc_start != 0:
         return False
     if row.key_codec is None and row.value_codec is None:
         return row.enc.n == 0 and row.tail_start == 0  # plain full precision, all in the tail
@@ -47,7 +44,7 @@ def packable(row: CompressedKVCache) -> bool:
 
 
 def _signature(row: CompressedKVCache):
-    return (row.key_spec, row.value_spec, row._dims, getattr(row, "_n_key_parts", None), row.joint)
+    return (row.key_spec, row.value_spec, row.shape_layout)
 
 
 @dataclass
@@ -98,9 +95,7 @@ class PackedRows:
     def __init__(self, template: CompressedKVCache, parts: tuple, lengths: list[int]):
         # a row's settings (specs, codecs, dims) that every row shares, without its buffers
         # (holding them would keep that row's own copy of its tokens alive beside the packed one)
-        template = copy.copy(template)
-        template.sink, template.enc, template.tail, template._fresh = Buffer(), Buffer(), Buffer(), None
-        self.template = template
+        self.template = template.like(template.shape_layout.batch)
         self.parts = parts
         self.lengths = lengths
 
@@ -125,13 +120,10 @@ class PackedRows:
         rows = []
         for b, n in enumerate(self.lengths):
             t = self.template
-            row = CompressedKVCache(t.key_spec, t.value_spec, t.start or 0, attention=t.attention, stats=t.stats)
-            row._configure((1, *t._dims[1:]))
-            row.key_codec, row.value_codec = t.key_codec, t.value_codec
-            row.offset, row.converted = n, t.converted
+            row = t.like(1)
+            row.offset = n
             own = tuple(mx.contiguous(p[b : b + 1, :, :n]) for p in self.parts)
             if t.key_codec is not None:
-                row._n_key_parts = t._n_key_parts
                 row.enc.set(own)
                 row.enc_start, row.tail_start = 0, n
             else:
@@ -145,7 +137,7 @@ class PackedRows:
         """keys: (B, H, N, D), each row's next N tokens, written at its own length."""
         B, H, N, D = keys.shape
         t = self.template
-        new = (keys, values) if t.key_codec is None else t._encode(keys, values)
+        new = (keys, values) if t.key_codec is None else t.encode_tokens(keys, values)
         need = max(self.lengths) + N
         if need > self.parts[0].shape[2]:
             grow = (need - self.parts[0].shape[2] + STEP - 1) // STEP * STEP
@@ -164,7 +156,7 @@ class PackedRows:
         if joint is not None:
             kp, vp = tuple(p[:, :H] for p in self.parts), tuple(p[:, H:] for p in self.parts)
         else:
-            nk = getattr(t, "_n_key_parts", 1) if t.key_codec is not None else 1
+            nk = t.shape_layout.key_parts or 1 if t.key_codec is not None else 1
             kp, vp = self.parts[:nk], self.parts[nk:]
         return PackedView(kp, vp, t.key_codec, t.value_codec, q_start, N, L, H, D, values.shape[-1],
                           uniform=len(set(self.lengths)) == 1, config=t.attention, stats=t.stats, joint=joint)
@@ -187,7 +179,8 @@ class PackedRows:
 
     @property
     def elements(self) -> int:
-        _, H, D, Dv, _ = self.template._dims
+        lay = self.template.shape_layout
+        H, D, Dv = lay.heads, lay.head_dim, lay.value_dim
         return sum(self.lengths) * H * (D + Dv)
 
     @property
