@@ -88,6 +88,30 @@ def test_the_folder_is_bounded_shared_and_damage_is_a_miss(qwen3, tmp_path):
     assert out.token_ids == alone(qwen3, OTHER + (1, 2), 6)
 
 
+def test_temp_files_of_interrupted_writes_are_removed_at_start(tmp_path):
+    """A crash between the temp file's write and its rename leaves `.NAME.kv.XXXX.tmp`: a server
+    starting over the folder removes those older than any write takes, of any tag; a fresh one
+    (another server's write in progress) and files of other names stay."""
+    import os
+    import time
+
+    from kvcore.serve.spill import STALE_TEMP_S
+
+    disk = PrefixDisk(tmp_path, 2**20, {"model": "a"})
+    other = PrefixDisk(tmp_path, 2**20, {"model": "b"})
+    old = time.time() - STALE_TEMP_S - 60
+    stale = [tmp_path / f".{d.path_for(FIRST).name}.k3j_x9.tmp" for d in (disk, other)]
+    fresh = tmp_path / f".{disk.path_for(OTHER).name}.p0q1r2.tmp"
+    kept = [tmp_path / ".notes.tmp", tmp_path / f"{disk.path_for(FIRST).name}"]
+    for p in stale + [fresh] + kept:
+        p.write_bytes(b"partial")
+    for p in stale + kept:
+        os.utime(p, (old, old))
+    again = PrefixDisk(tmp_path, 2**20, {"model": "a"})
+    assert again.stale_removed == 2 and not any(p.exists() for p in stale)
+    assert fresh.exists() and all(p.exists() for p in kept)
+
+
 def test_a_second_server_process_reuses_the_first_s_prompt(qwen3, tmp_path):
     for name in EXTRA_MODULES:
         pytest.importorskip(name)

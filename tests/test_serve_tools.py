@@ -139,3 +139,38 @@ def test_bad_tool_requests_are_400s_naming_the_field(server, extra, param):
 
     status, err = post(server.url, {"model": server.served.name, "messages": ASK, "max_tokens": 2, **extra})
     assert status == 400 and err["error"]["param"] == param, err
+
+
+@pytest.mark.parametrize("params,why", [
+    ({"type": "object", "properties": {"x": {"type": "foo"}}}, "Invalid type: foo"),
+    ({"type": "object", "properties": {"x": {"type": "string", "pattern": "(?<=a)b"}}}, "look-around"),
+])
+def test_a_forced_tool_whose_schema_does_not_compile_is_a_400_naming_tools(server, params, why):
+    from serve_helpers import post
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": params}}
+    status, err = post(server.url, {"model": server.served.name, "messages": ASK, "max_tokens": 2, "tools": [tool],
+                                    "tool_choice": "required"})
+    msg = err["error"]["message"]
+    assert status == 400 and err["error"]["param"] == "tools" and why in msg, err
+    assert msg.startswith("'tools': ") and "--grammar" not in msg and "start:" not in msg  # no grammar echoed
+    status, err = post(server.url, {"model": server.served.name, "messages": ASK, "max_tokens": 2,
+                                    "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": params}}})
+    assert status == 400 and err["error"]["param"] == "response_format.json_schema.schema", err
+    assert "--json-schema" not in err["error"]["message"]
+    assert post(server.url, {"model": server.served.name, "messages": ASK, "max_tokens": 2})[0] == 200  # serves on
+
+
+def test_a_forced_call_follows_local_refs_of_its_schema(server, client):
+    """Parameters with $defs (as pydantic writes them): their "#/..." refs resolve within that
+    function's parameters, not the combined schema around them."""
+    place = {"type": "object", "properties": {"city": {"$ref": "#/$defs/City"}}, "required": ["city"],
+             "additionalProperties": False, "$defs": {"City": {"enum": ["Paris", "Rome"]}}}
+    tools = [{"type": "function", "function": {"name": "go", "parameters": place}}, TIME]
+    for choice in ("required", {"type": "function", "function": {"name": "go"}}):
+        r = client.chat.completions.create(model=server.served.name, messages=ASK, tools=tools, tool_choice=choice,
+                                           max_tokens=80, temperature=0)
+        assert r.choices[0].finish_reason == "tool_calls", r.choices[0]
+        (call,) = r.choices[0].message.tool_calls
+        if call.function.name == "go":
+            jsonschema.validate(json.loads(call.function.arguments), place)

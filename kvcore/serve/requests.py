@@ -129,6 +129,19 @@ def response_constraint(fmt: dict | None):
                           "response_format.json_schema.schema") from None
 
 
+def refused(request: Request, e: MlxkvError) -> APIError:
+    """The engine's refusal of a request (a constraint llguidance does not compile) as a 400 naming
+    the field it came from: serve's only grammars are forced tool calls, its schemas response_format's."""
+    msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+    spec = request.sampling.constraint if request.sampling is not None else None
+    if spec is not None and " does not compile: " in msg:
+        if spec.kind == "grammar":
+            return tools.compile_error(msg)
+        field = "response_format.json_schema.schema"
+        return bad_request(msg.replace("--json-schema", f"'{field}'"), field, "invalid_value")
+    return APIError(400, msg, code="invalid_request")
+
+
 def max_tokens(body, prompt_len: int, served: Served, default: int) -> int:
     """The completion's token limit: asked (checked against the context) or the default (clamped to it)."""
     param = "messages" if isinstance(body, ChatRequest) else "prompt"

@@ -11,7 +11,9 @@ KV policies, and a second server process over the folder reuses the first one's 
 are indexed by the prompt ids they record (read from the header alone); a file is checked in full
 (every checksum, the fingerprint) when it is used. Other processes may add or evict files at any
 time: the folder is listed again on each lookup, and a file that vanished or fails its checks
-is a miss. Writes happen on the engine thread (a file of one prompt's compressed caches).
+is a miss. Writes happen on the engine thread (a file of one prompt's compressed caches); the
+hidden temp files of writes a crash interrupted (`.NAME.kv.XXXX.tmp`, store.atomic) are removed at
+start once they are older than any write takes.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import struct
+import time
 from pathlib import Path
 
 from ..engine.reuse import common_prefix
@@ -31,6 +35,8 @@ from ..store.layers import kind_of_cache
 from ..store.safetensors import open_container
 
 SUFFIX = ".kv"
+TEMP = re.compile(r"\.[0-9a-f]{16}-[0-9a-f]{32}" + re.escape(SUFFIX) + r"\..+\.tmp")  # atomic_write's temp files
+STALE_TEMP_S = 600.0  # a temp file this old belongs to no running write (one prompt's file takes seconds)
 
 
 def _sha(obj) -> str:
@@ -56,6 +62,24 @@ def open_folder(folder: str | Path) -> Path:
     return path
 
 
+def remove_stale_temps(folder: Path, age: float = STALE_TEMP_S) -> int:
+    """Remove the temp files interrupted writes left (any server's: nobody else ever will); newer
+    ones may be another server's write in progress and stay. Returns how many went."""
+    removed, now = 0, time.time()
+    try:
+        entries = [e for e in os.scandir(folder) if TEMP.fullmatch(e.name)]
+    except OSError:
+        return 0
+    for e in entries:
+        try:
+            if e.is_file(follow_symlinks=False) and now - e.stat(follow_symlinks=False).st_mtime > age:
+                os.unlink(e.path)
+                removed += 1
+        except OSError:
+            pass
+    return removed
+
+
 class PrefixDisk:
     def __init__(self, folder: str | Path, capacity: int, fingerprint: dict):
         self.folder, self.capacity, self.fingerprint = open_folder(folder), capacity, fingerprint
@@ -63,6 +87,7 @@ class PrefixDisk:
         self.index: dict[tuple[int, ...], tuple[Path, int]] = {}  # prompt ids -> (file, size)
         self._names: dict[str, tuple[int, ...] | None] = {}  # file name -> its ids (None: unreadable)
         self.writes = self.loads = self.errors = self.evictions = 0
+        self.stale_removed = remove_stale_temps(self.folder)
 
     @property
     def nbytes(self) -> int:

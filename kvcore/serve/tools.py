@@ -20,7 +20,7 @@ import uuid
 
 from ..engine.constrain import ConstraintSpec
 from ..errors import MlxkvError
-from .errors import bad_request
+from .errors import APIError, bad_request
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.S)
@@ -109,9 +109,12 @@ def forced(body) -> list | None:
 
 def constraint(tools: list) -> ConstraintSpec:
     """One tool-call block calling one of `tools` with arguments their parameters schema allows."""
+    def at(i: int) -> str:  # where tool i's parameters sit in the combined schema (its "#" refs move there)
+        return ("" if len(tools) == 1 else f"/anyOf/{i}") + "/properties/arguments"
+
     calls = [{"type": "object", "properties": {"name": {"const": t.function.name},
-                                               "arguments": t.function.parameters or {"type": "object"}},
-              "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
+                                               "arguments": _rebase(t.function.parameters or {"type": "object"}, at(i))},
+              "required": ["name", "arguments"], "additionalProperties": False} for i, t in enumerate(tools)]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
     schema = {**schema, "x-guidance": {"whitespace_flexible": False}}
     grammar = f'start: {json.dumps(OPEN + chr(10))} call {json.dumps(chr(10) + CLOSE)}\ncall: %json {json.dumps(schema)}\n'
@@ -119,3 +122,23 @@ def constraint(tools: list) -> ConstraintSpec:
         return ConstraintSpec("grammar", grammar)
     except MlxkvError as e:
         raise bad_request(f"'tools': {e}", "tools") from None
+
+
+def _rebase(schema, pointer: str):
+    """The schema with its local refs ("#", "#/$defs/X") pointing into `pointer`, where it now sits."""
+    if isinstance(schema, list):
+        return [_rebase(s, pointer) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _rebase(v, pointer) for k, v in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        out["$ref"] = "#" + pointer + ref[1:]
+    return out
+
+
+def compile_error(message: str) -> APIError:
+    """The engine's "--grammar does not compile: ..." for a forced call, as a 400 naming `tools`."""
+    why = message.partition(" does not compile: ")[2] or message
+    why = re.sub(r"^at \d+\(\d+\): ", "", why).split(" 1 | ")[0].strip()  # not the whole grammar echoed
+    return bad_request(f"'tools': a function's parameters schema does not compile: {why}", "tools", "invalid_value")

@@ -24,6 +24,7 @@ from ..errors import MlxkvError
 from ..units import format_bytes
 from .errors import APIError
 from .metrics import EngineMetrics
+from .requests import refused
 from .served import Served
 
 Push = Callable[[object], None]
@@ -156,7 +157,7 @@ class EngineWorker:
         try:
             self.engine.add_request(request)
         except MlxkvError as e:  # e.g. a constraint its compiler refuses
-            push(APIError(400, str(e).splitlines()[0] if str(e) else type(e).__name__, code="invalid_request"))
+            push(refused(request, e))
             return
         self._sinks[request.id] = push
         self.metrics.added(len(request.prompt_ids))
