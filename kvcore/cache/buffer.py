@@ -32,19 +32,38 @@ class Buffer:
         k = new[0].shape[2]
         if k == 0:
             return
-        if self.parts is None or self.n + k > self.capacity:
-            grow = max((k + self.step - 1) // self.step * self.step, self.hint - self.n)
-            self.hint = 0
-
-            def widen(old, part):
-                spare = mx.zeros((*part.shape[:2], grow, *part.shape[3:]), dtype=part.dtype)
-                return spare if old is None else mx.concatenate([old[:, :, : self.n], spare], axis=2)
-
-            olds = self.parts or (None,) * len(new)
-            self.parts = tuple(widen(o, p) for o, p in zip(olds, new))
+        self._room(k, [p.shape for p in new], [p.dtype for p in new])
         for part, value in zip(self.parts, new):
             part[:, :, self.n : self.n + k] = value
         self.n += k
+
+    def append_halves(self, first: tuple[mx.array, ...], second: tuple[mx.array, ...]) -> None:
+        """Append parts whose axis 1 is `first`'s then `second`'s (joint K/V storage), written
+        straight into the two halves: no concatenated copy of the new entries."""
+        k = first[0].shape[2]
+        if k == 0:
+            return
+        shapes = [(a.shape[0], a.shape[1] + b.shape[1], *a.shape[2:]) for a, b in zip(first, second)]
+        self._room(k, shapes, [a.dtype for a in first])
+        for part, a, b in zip(self.parts, first, second):
+            h = a.shape[1]
+            part[:, :h, self.n : self.n + k] = a
+            part[:, h:, self.n : self.n + k] = b
+        self.n += k
+
+    def _room(self, k: int, shapes: list, dtypes: list) -> None:
+        """Capacity for k more entries of parts shaped like `shapes` (axis 2 aside)."""
+        if self.parts is not None and self.n + k <= self.capacity:
+            return
+        grow = max((k + self.step - 1) // self.step * self.step, self.hint - self.n)
+        self.hint = 0
+
+        def widen(old, shape, dtype):
+            spare = mx.zeros((*shape[:2], grow, *shape[3:]), dtype=dtype)
+            return spare if old is None else mx.concatenate([old[:, :, : self.n], spare], axis=2)
+
+        olds = self.parts or (None,) * len(shapes)
+        self.parts = tuple(widen(o, sh, dt) for o, sh, dt in zip(olds, shapes, dtypes))
 
     def reserve(self, n: int) -> None:
         """Room for n entries in all, allocated once: a prefill that knows its length grows the

@@ -29,7 +29,8 @@ from . import rollback
 from .buffer import STEP, Buffer
 from .view import DENSE, ENCODED, SHADOW, Joint, KVView, Segment
 
-TRIM_STEP = 128  # a multiple of every block size, so dropping never splits a block
+TRIM_STEP = 128
+JOINT_CONCAT_TOKENS = 16  # joint storage: runs up to this many tokens are encoded in one call  # a multiple of every block size, so dropping never splits a block
 CONVERT_PIECE = 4096  # tokens encoded per call when a layer's stored tokens are converted at once
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
@@ -134,6 +135,17 @@ class CompressedKVCache(_BaseCache):
         row.converted = self.converted
         return row
 
+    def _store(self, keys: mx.array, values: mx.array) -> None:
+        """Encode these tokens into the encoded buffer. Joint storage encodes a decode step's K
+        and V in one call; longer runs (prefill, conversion) are encoded apart and written into
+        the halves, so no concatenated dense copy of them exists."""
+        if self.joint and keys.shape[2] > JOINT_CONCAT_TOKENS:
+            ek, ev = self.key_codec.encode(keys), self.value_codec.encode(values)
+            self._n_key_parts = len(ek)
+            self.enc.append_halves(ek, ev)
+        else:
+            self.enc.append(self.encode_tokens(keys, values))
+
     def encode_tokens(self, keys: mx.array, values: mx.array) -> tuple:
         """The encoded parts of these tokens as the buffer stores them."""
         if self.joint:
@@ -171,7 +183,7 @@ class CompressedKVCache(_BaseCache):
             q_start = self.offset
             if not self.enc.n:
                 self.enc_start = q_start
-            self.enc.append(self.encode_tokens(keys, values))
+            self._store(keys, values)
             self.offset += keys.shape[2]
             self.tail_start = self.offset
             view = self._view(q_start, keys.shape[2], None)
@@ -223,7 +235,7 @@ class CompressedKVCache(_BaseCache):
         k, v = self.tail.get(0, nb * bt)
         if not self.enc.n:
             self.enc_start = self.tail_start
-        self.enc.append(self.encode_tokens(k, v))
+        self._store(k, v)
         self.tail.drop_front(nb * bt)
         self.tail_start += nb * bt
         if bt == 1 and not self.recent:
@@ -246,7 +258,7 @@ class CompressedKVCache(_BaseCache):
             self.enc.reserve((self.tail.n - self.recent) // bt)
             while self.tail.n - self.recent > step:
                 k, v = self.tail.get(0, step)
-                self.enc.append(self.encode_tokens(k, v))
+                self._store(k, v)
                 self.tail.drop_front(step)
                 self.tail_start += step
                 mx.eval(self.enc.parts)
