@@ -33,7 +33,7 @@ def build_app():
     from .fit import fit
     from .generate import generate
     from .inspect_cache import inspect_cache
-    from .serve import serve
+    from .serve import ServeCommand, serve
 
     app = typer.Typer(cls=MlxkvGroup, no_args_is_help=True, add_completion=False,
                       pretty_exceptions_enable=False, help="Run MLX language models with compressed KV caches.")
@@ -64,7 +64,7 @@ def build_app():
     app.command("fit")(fit)
     app.command("fidelity")(fidelity)
     app.command("calibrate")(calibrate)
-    app.command("serve")(serve)
+    app.command("serve", cls=ServeCommand)(serve)
     return app
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated, Optional
 
 import typer
+from typer.core import TyperCommand
 
 from kvcore.models import dtype_name
 from kvcore.policy import KVOptions, resolve_policy
@@ -33,6 +34,7 @@ def serve(
     max_tokens: DefaultTokensOpt = 512,
     prefill_chunk: StepChunkOpt = 512,
     served_model_name: Annotated[Optional[str], typer.Option(help="The model id clients name (default: the model's name).")] = None,
+    lora_modules: Annotated[Optional[list[str]], typer.Option(help="LoRA adapter served beside the model: NAME=DIR (an mlx-lm adapter folder), for requests whose model is NAME (several after one flag, or repeated).")] = None,
     cors: Annotated[Optional[list[str]], typer.Option(help="Allow browser requests from this origin (repeatable; default: none).")] = None,
     shutdown_timeout: Annotated[float, typer.Option(help="Seconds running requests get to finish on SIGINT/SIGTERM.")] = 30.0,
     prefix_cache_bytes: Annotated[str, typer.Option(help="RAM for the caches of earlier prompts, reused by requests that start with them, e.g. 4GB (0: off).")] = "0",
@@ -51,6 +53,7 @@ def serve(
     """Serve the model over an OpenAI-compatible HTTP API (needs the serve extra)."""
     from kvcore.serve import ServeConfig, require_extra
     from kvcore.serve import serve as run_server
+    from kvcore.serve.config import lora_module
 
     require_extra()
     config = ServeConfig(
@@ -65,6 +68,7 @@ def serve(
         prefix_cache_bytes=parse_bytes(prefix_cache_bytes, "--prefix-cache-bytes"),
         prefix_cache_dir=prefix_cache_dir,
         prefix_cache_dir_bytes=parse_bytes(prefix_cache_dir_bytes, "--prefix-cache-dir-bytes"),
+        lora_modules=tuple(lora_module(v) for v in lora_modules or ()),
     )
     resolve_policy(config.kv)  # bad KV flags fail before any download
     fetch_model(model, offline)
@@ -74,11 +78,41 @@ def serve(
         err.print(f"serving {served.name} on http://{shown}:{bound_port}/v1 | batch {batch_size} | "
                   f"KV {served.policy.label()} | KV budget {format_bytes(served.budget)}"
                   f"{f' | prefix cache dir {prefix_cache_dir}' if prefix_cache_dir else ''}"
+                  f"{' | adapters ' + ', '.join(served.adapters) if served.adapters else ''}"
                   f"{' | API key required' if api_key else ''} (Ctrl+C stops)")
 
     run_server(config, on_ready=ready)
     err.print("server stopped")
     exit_now(0)
+
+
+LORA_FLAG = "--lora-modules"
+
+
+class ServeCommand(TyperCommand):
+    """serve's command line: `--lora-modules A=X B=Y` (vLLM's form: the values up to the next option)
+    is read as `--lora-modules A=X --lora-modules B=Y` (serve takes no arguments of its own)."""
+
+    def parse_args(self, ctx, args: list[str]) -> list[str]:
+        return super().parse_args(ctx, spread_values(args, LORA_FLAG))
+
+
+def spread_values(args: list[str], flag: str) -> list[str]:
+    """The bare words after `flag`'s value, each given its own `flag`."""
+    out, i, spreading = [], 0, False
+    while i < len(args):
+        a = args[i]
+        if spreading and not a.startswith("-"):
+            out += [flag, a]
+            i += 1
+            continue
+        if a == "--":
+            return out + args[i:]
+        spreading = a == flag and i + 1 < len(args) or a.startswith(flag + "=")
+        take = 2 if a == flag else 1
+        out += args[i:i + take]
+        i += take
+    return out
 
 
 def exit_now(code: int) -> None:

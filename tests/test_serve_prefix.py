@@ -112,12 +112,12 @@ def test_the_cache_is_an_lru_bounded_by_bytes(tiny_models):
     assert size > 0 and len(one.prefix.entries) == 1
     engine = engine_with(int(2.5 * size))
     engine.run([Request(p, 2, str(i)) for i, p in enumerate(prompts[:3])])
-    assert list(engine.prefix.entries) == prompts[1:3] and engine.prefix.nbytes <= 2.5 * size  # oldest evicted
+    assert list(engine.prefix.entries) == [(None, p) for p in prompts[1:3]] and engine.prefix.nbytes <= 2.5 * size  # oldest evicted
     engine.run([Request(prompts[1] + (99,), 2, "again")])  # a hit makes prompts[1] the newest
     assert engine.prefix.hits == 1 and engine.prefix.reused == {"again": len(prompts[1])}
     engine.run([Request(prompts[3], 2, "3")])
-    assert list(engine.prefix.entries)[-2:] == [prompts[1] + (99,), prompts[3]]
-    assert prompts[2] not in engine.prefix.entries and engine.prefix.nbytes <= 2.5 * size
+    assert list(engine.prefix.entries)[-2:] == [(None, prompts[1] + (99,)), (None, prompts[3])]
+    assert (None, prompts[2]) not in engine.prefix.entries and engine.prefix.nbytes <= 2.5 * size
     small = engine_with(size - 1)
     small.run([Request(prompts[0], 2, "big")])
     assert not small.prefix.entries and small.prefix.nbytes == 0  # an entry beyond the bound is not kept

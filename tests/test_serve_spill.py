@@ -58,12 +58,12 @@ def test_an_evicted_prompt_comes_back_from_disk(qwen3, tmp_path, kv):
     engine.prefix.capacity = int(1.5 * size)  # one prompt fits in RAM
     engine.run([Request(OTHER, 2, "b")])  # evicts FIRST, which is written to disk
     disk = engine.prefix.disk
-    assert list(engine.prefix.entries) == [OTHER] and disk.writes == 1 and list(disk.index) == [FIRST]
+    assert list(engine.prefix.entries) == [(None, OTHER)] and disk.writes == 1 and list(disk.index) == [(None, FIRST)]
     out = engine.run([Request(LATER, 10, "c")])[0]
     assert engine.prefix.disk_hits == 1 and engine.prefix.reused == {"c": len(FIRST)}
     assert out.token_ids == alone(qwen3, LATER, 10, kv)
     engine.prefix.flush()  # what RAM holds goes to disk too (OTHER, LATER; FIRST is there already)
-    assert disk.writes == 3 and set(disk.index) == {FIRST, OTHER, LATER}
+    assert disk.writes == 3 and set(disk.index) == {(None, FIRST), (None, OTHER), (None, LATER)}
 
 
 def test_the_folder_is_bounded_shared_and_damage_is_a_miss(qwen3, tmp_path):
@@ -72,10 +72,10 @@ def test_the_folder_is_bounded_shared_and_damage_is_a_miss(qwen3, tmp_path):
     (path, size), = one.prefix.disk.index.values()
     bounded = engine_with(qwen3, tmp_path, ram=0, disk_bytes=int(1.5 * size))
     bounded.run([Request(OTHER, 2, "b")])
-    assert not path.exists() and list(bounded.prefix.disk.index) == [OTHER]  # the oldest file went
+    assert not path.exists() and list(bounded.prefix.disk.index) == [(None, OTHER)]  # the oldest file went
     assert bounded.prefix.disk.evictions == 1
     eight = engine_with(qwen3, tmp_path, ram=0, kv=KVOptions(kv_bits=8, kv_group_size=64, quantized_kv_start=0))
-    assert eight.prefix.disk.best(list(LATER)) == ((), 0)  # another KV policy never reads these files
+    assert eight.prefix.disk.best(None, list(LATER)) == ((), 0)  # another KV policy never reads these files
     eight.run([Request(FIRST, 2, "e")])
     assert len(list(tmp_path.glob("*.kv"))) == 2  # its own file beside the 4-bit one
     (other_path, _), = bounded.prefix.disk.index.values()
@@ -100,9 +100,9 @@ def test_temp_files_of_interrupted_writes_are_removed_at_start(tmp_path):
     disk = PrefixDisk(tmp_path, 2**20, {"model": "a"})
     other = PrefixDisk(tmp_path, 2**20, {"model": "b"})
     old = time.time() - STALE_TEMP_S - 60
-    stale = [tmp_path / f".{d.path_for(FIRST).name}.k3j_x9.tmp" for d in (disk, other)]
-    fresh = tmp_path / f".{disk.path_for(OTHER).name}.p0q1r2.tmp"
-    kept = [tmp_path / ".notes.tmp", tmp_path / f"{disk.path_for(FIRST).name}"]
+    stale = [tmp_path / f".{d.path_for((None, FIRST)).name}.k3j_x9.tmp" for d in (disk, other)]
+    fresh = tmp_path / f".{disk.path_for((None, OTHER)).name}.p0q1r2.tmp"
+    kept = [tmp_path / ".notes.tmp", tmp_path / f"{disk.path_for((None, FIRST)).name}"]
     for p in stale + [fresh] + kept:
         p.write_bytes(b"partial")
     for p in stale + kept:

@@ -107,7 +107,7 @@ def create_app(worker: EngineWorker, served: Served) -> FastAPI:
     state = ServeState(config.max_pending)
     app = FastAPI(title="mlxkv", version=__version__, docs_url=None, redoc_url=None)
     app.state.serve = state
-    install_openapi(app, served.name)
+    install_openapi(app, served.models)
     if config.api_key:
         app.add_middleware(APIKeyMiddleware, key=config.api_key)
     if config.cors:
@@ -153,14 +153,14 @@ def create_app(worker: EngineWorker, served: Served) -> FastAPI:
         gen = await start(body, ep.prompt(served, body), rid)
         if body.stream:
             include = bool(body.stream_options and body.stream_options.include_usage)
-            return EventSourceResponse(events(gen, rid, served.name, include, ep), ping=15)
+            return EventSourceResponse(events(gen, rid, body.model, include, ep), ping=15)
         try:
             cs = await answer(gen, request.receive)
         finally:
             gen.close()
         if cs is None:
             return Response(status_code=499)
-        return P.response(ep.obj, rid, served.name, [ep.choice(served, body, i, c) for i, c in enumerate(cs)],
+        return P.response(ep.obj, rid, body.model, [ep.choice(served, body, i, c) for i, c in enumerate(cs)],
                           gen.usage())
 
     @app.post("/v1/chat/completions")
@@ -171,18 +171,19 @@ def create_app(worker: EngineWorker, served: Served) -> FastAPI:
     async def completions(request: Request):
         return await complete(request, TEXT)
 
-    def model_card() -> dict:
-        return {"id": served.name, "object": "model", "created": state.started, "owned_by": "mlxkv"}
+    def model_card(name: str) -> dict:
+        card = {"id": name, "object": "model", "created": state.started, "owned_by": "mlxkv"}
+        return card if name == served.name else {**card, "parent": served.name}  # an adapter (vLLM's field)
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(m) for m in served.models]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
-        if model_id != served.name:
+        if model_id not in served.models:
             raise APIError(404, f"The model '{model_id}' does not exist", "model", "model_not_found")
-        return model_card()
+        return model_card(model_id)
 
     @app.get("/health")
     async def health():

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from ..adapters import CONFIG, check_adapter_folder
 from ..errors import MlxkvError
 from ..policy import KVOptions
 
@@ -30,6 +33,7 @@ class ServeConfig:
     prefix_cache_bytes: int = 0  # RAM for prompt caches reused by later requests (0: off)
     prefix_cache_dir: str | None = None  # a folder the prefix cache spills to and reads back (None: off)
     prefix_cache_dir_bytes: int = 8 * 2**30  # the folder's bound (this server's files)
+    lora_modules: tuple[tuple[str, str], ...] = ()  # (name clients give as `model`, LoRA adapter folder)
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:
@@ -54,8 +58,33 @@ class ServeConfig:
             raise MlxkvError("--prefix-cache-dir must not be empty")
         if self.shutdown_timeout < 0:
             raise MlxkvError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")
+        names = [name for name, _ in self.lora_modules]
+        for name, folder in self.lora_modules:
+            check_lora_module(name, folder)
+            if names.count(name) > 1:
+                raise MlxkvError(f"--lora-modules: the name {name!r} is given twice")
 
     @property
     def max_pending(self) -> int:
         """Requests in flight at most: the running batch plus the queue."""
         return self.batch_size + self.max_queue
+
+
+def lora_module(value: str) -> tuple[str, str]:
+    """`NAME=DIR` (vLLM's --lora-modules form) -> (name, folder)."""
+    name, eq, folder = value.partition("=")
+    if not eq:
+        raise MlxkvError(f"--lora-modules {value!r}: expected NAME=DIR (the model name clients send, an adapter folder)")
+    return name.strip(), folder.strip()
+
+
+def check_lora_module(name: str, folder: str) -> None:
+    """A served adapter, before the model loads: a name, an mlx-lm LoRA adapter folder."""
+    if not name or any(c.isspace() for c in name):
+        raise MlxkvError(f"--lora-modules {name}={folder}: the name must be non-empty, without spaces")
+    if not folder:
+        raise MlxkvError(f"--lora-modules {name}=: no adapter folder after '='")
+    p = check_adapter_folder(folder, "--lora-modules")
+    kind = json.loads((Path(p) / CONFIG).read_text()).get("fine_tune_type", "lora")
+    if kind != "lora":
+        raise MlxkvError(f"--lora-modules {p}: served adapters are LoRA only (rows gather them), this one is {kind!r}")

@@ -2,11 +2,13 @@
 bounded by bytes and looked up by the longest common token prefix.
 
 ```
-store(seq):   its prompt is in -> copy every layer's (state, meta_state) under its prompt ids
-restore(seq): on admission -> the entry sharing the longest prefix with its prompt, copied into
-              fresh caches, trimmed to the shared tokens (kvcore.engine.reuse); prefill goes on
-              from there (seq.done_prompt)
+store(seq):   its prompt is in -> copy every layer's (state, meta_state) under (adapter, prompt ids)
+restore(seq): on admission -> the entry of its adapter sharing the longest prefix with its prompt,
+              copied into fresh caches, trimmed to the shared tokens (kvcore.engine.reuse); prefill
+              goes on from there (seq.done_prompt)
 ```
+Entries are keyed by the row's LoRA adapter (Request.adapter, None for the base model) as well as
+its tokens: the KV of a prompt depends on the adapter it ran under, so one is never reused for another.
 A second chat turn starts with the first turn's prompt, so it prefills only the reply and the new
 message. Entries are copies: the running rows mutate their own caches, never an entry.
 With a disk tier (spill.py), entries RAM evicts are written to it, and a lookup that finds a
@@ -25,6 +27,7 @@ from ..engine.reuse import common_prefix, reuse_prefix
 from .spill import PrefixDisk
 
 MIN_REUSE = 4  # fewer shared tokens than this (a BOS, a template's header): prefill from scratch
+Key = tuple  # (adapter folder or None, prompt ids)
 
 
 @dataclass
@@ -63,20 +66,20 @@ def fill(caches: list, entry: Entry) -> list:
 class PrefixCache:
     def __init__(self, capacity: int, new_caches: Callable[[], list], disk: PrefixDisk | None = None):
         self.capacity, self.new_caches, self.disk = capacity, new_caches, disk
-        self.entries: OrderedDict[tuple[int, ...], Entry] = OrderedDict()
+        self.entries: OrderedDict[Key, Entry] = OrderedDict()
         self.nbytes = 0
         self.hits = self.lookups = self.reused_tokens = self.disk_hits = 0
         self.reused: dict[str, int] = {}  # request id -> prompt tokens it reused (read once by the server)
 
     # -- the engine's hooks -----------------------------------------------------------
     def restore(self, seq) -> None:
-        ids = list(seq.request.prompt_ids)
+        ids, adapter = list(seq.request.prompt_ids), seq.request.adapter
         self.lookups += 1
-        key = max(self.entries, key=lambda k: common_prefix(k, ids), default=None)
-        shared = common_prefix(key, ids) if key is not None else 0
+        key = max((k for k in self.entries if k[0] == adapter), key=lambda k: common_prefix(k[1], ids), default=None)
+        shared = common_prefix(key[1], ids) if key is not None else 0
         entry, from_disk = self.entries.get(key), False
         if self.disk is not None and shared < len(ids) - 1:
-            dkey, dshared = self.disk.best(ids)
+            dkey, dshared = self.disk.best(adapter, ids)
             if dshared > shared and min(dshared, len(ids) - 1) >= MIN_REUSE:
                 loaded = self.disk.load(dkey)
                 if loaded is not None:
@@ -85,7 +88,7 @@ class PrefixCache:
         if entry is None or min(shared, len(ids) - 1) < MIN_REUSE:
             return
         caches = fill(self.new_caches(), entry)
-        reuse = reuse_prefix(caches, list(key), ids)
+        reuse = reuse_prefix(caches, list(key[1]), ids)
         if reuse.blocked or reuse.kept < MIN_REUSE:
             return
         if key in self.entries:
@@ -97,7 +100,7 @@ class PrefixCache:
         self.reused[seq.id] = reuse.kept
 
     def store(self, seq) -> None:
-        key = tuple(seq.request.prompt_ids)
+        key = (seq.request.adapter, tuple(seq.request.prompt_ids))
         if key in self.entries:
             self.entries.move_to_end(key)
             return
@@ -109,7 +112,7 @@ class PrefixCache:
             self._spill(key, entry)
 
     # -- RAM LRU and disk tier ---------------------------------------------------------
-    def _keep(self, key: tuple[int, ...], entry: Entry) -> None:
+    def _keep(self, key: Key, entry: Entry) -> None:
         if entry.nbytes > self.capacity:  # beyond RAM's bound: straight to disk, if there is one
             self._spill(key, entry)
             return
@@ -120,7 +123,7 @@ class PrefixCache:
             self.nbytes -= old.nbytes
             self._spill(old_key, old)
 
-    def _spill(self, key: tuple[int, ...], entry: Entry) -> None:
+    def _spill(self, key: Key, entry: Entry) -> None:
         if self.disk is not None and not entry.on_disk:
             self.disk.save(key, fill(self.new_caches(), entry), entry.nbytes)
             entry.on_disk = True

@@ -30,8 +30,10 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
 def check_model(body, served: Served) -> None:
-    if body.model != served.name:
-        raise APIError(404, f"The model '{body.model}' does not exist (this server serves '{served.name}')",
+    """The base model's id or a served adapter's name (--lora-modules), else a 404."""
+    if body.model not in served.models:
+        serves = ", ".join(f"'{m}'" for m in served.models)
+        raise APIError(404, f"The model '{body.model}' does not exist (this server serves {serves})",
                        "model", "model_not_found")
 
 
@@ -168,9 +170,11 @@ def engine_requests(body, rid: str, ids: list[int], served: Served) -> list[Requ
     default = served.config.max_tokens if isinstance(body, ChatRequest) else COMPLETION_DEFAULT_MAX_TOKENS
     limit = max_tokens(body, len(ids), served, default)
     cfg = sampling(body, served.vocab)
+    adapter = served.adapters.get(body.model)  # None: the base model
     rows = []
     for i in range(body.n or 1):
         row = cfg if cfg.seed is None or i == 0 else replace(cfg, seed=(cfg.seed + i) % 2**63)
         # the engine's own (greedy) settings: None keeps the row on the batch's shared sampler
-        rows.append(Request(tuple(ids), limit, f"{rid}-{i}", body.stops(), sampling=None if row == SamplingConfig() else row))
+        rows.append(Request(tuple(ids), limit, f"{rid}-{i}", body.stops(), sampling=None if row == SamplingConfig() else row,
+                            adapter=adapter))
     return rows

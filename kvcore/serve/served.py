@@ -3,7 +3,7 @@ limits; it builds the Engine the worker steps."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -14,6 +14,7 @@ from ..policy import KVPolicy, resolve_policy
 from ..jobs.batch import BatchOptions, admission
 from ..store import model_fingerprint
 from ..transient import PrefillMemory
+from .adapters import adapter_fingerprints, check_names, install_lora_modules
 from .config import ServeConfig
 from .prefix import PrefixCache
 from .spill import PrefixDisk, serve_fingerprint
@@ -26,6 +27,7 @@ class Served:
     budget: int
     need: Callable[[list[int]], int]
     config: ServeConfig
+    adapters: dict[str, str] = field(default_factory=dict)  # served adapter name -> its folder (--lora-modules)
 
     @property
     def tokenizer(self):
@@ -37,6 +39,11 @@ class Served:
             return self.config.model_name
         src = self.lm.source
         return Path(src).name if Path(src).expanduser().exists() else src
+
+    @property
+    def models(self) -> list[str]:
+        """The model ids clients may name: the base model, then each adapter."""
+        return [self.name, *self.adapters]
 
     @property
     def context(self) -> int | None:
@@ -59,7 +66,8 @@ class Served:
             if c.prefix_cache_dir:
                 fp = serve_fingerprint(model_fingerprint(self.lm.model, self.lm.tokenizer, self.lm.config), c.dtype,
                                        engine.runner.new_caches())
-                disk = PrefixDisk(c.prefix_cache_dir, c.prefix_cache_dir_bytes, fp)
+                disk = PrefixDisk(c.prefix_cache_dir, c.prefix_cache_dir_bytes, fp,
+                                  adapter_fingerprints(fp, list(self.adapters.values())))
             engine.prefix = PrefixCache(c.prefix_cache_bytes, engine.runner.new_caches, disk)
         return engine
 
@@ -67,5 +75,8 @@ class Served:
 def load_served(config: ServeConfig) -> Served:
     policy = resolve_policy(config.kv)
     lm, _ = load_for_run(config.model, config.dtype, repr(config))
+    adapters = install_lora_modules(lm.model, config.lora_modules)
     _, budget, need = admission(lm, policy, BatchOptions(config.batch_size, config.max_kv_bytes), config.prefill_chunk)
-    return Served(lm, policy, budget, need, config)
+    served = Served(lm, policy, budget, need, config, adapters)
+    check_names(adapters, served.name)
+    return served

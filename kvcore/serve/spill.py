@@ -5,6 +5,7 @@ atomic), looked up by longest token prefix when RAM has nothing as long, bounded
 ```
 DIR/{tag}-{sha256(prompt ids)[:32]}.kv      tag = sha256(fingerprint)[:16]
 fingerprint = the model's (store.model_fingerprint) + the served dtype + the empty caches' layouts
+              (+ a served LoRA adapter's sha256, for a prompt run under it: a tag per adapter)
 ```
 A server only reads and evicts files of its own tag, so one folder can serve several models and
 KV policies, and a second server process over the folder reuses the first one's prompts. Files
@@ -81,11 +82,19 @@ def remove_stale_temps(folder: Path, age: float = STALE_TEMP_S) -> int:
 
 
 class PrefixDisk:
-    def __init__(self, folder: str | Path, capacity: int, fingerprint: dict):
+    """The folder's files of this server: the base model's under `fingerprint`'s tag, each served
+    adapter's (a folder -> its fingerprint, adapters.py) under its own. Keys are (adapter, ids)."""
+
+    def __init__(self, folder: str | Path, capacity: int, fingerprint: dict, adapters: dict[str, dict] | None = None):
         self.folder, self.capacity, self.fingerprint = open_folder(folder), capacity, fingerprint
-        self.tag = _sha(fingerprint)[:16]
-        self.index: dict[tuple[int, ...], tuple[Path, int]] = {}  # prompt ids -> (file, size)
-        self._names: dict[str, tuple[int, ...] | None] = {}  # file name -> its ids (None: unreadable)
+        self.fingerprints: dict[str | None, dict] = {None: fingerprint, **(adapters or {})}
+        self.tags = {a: _sha(fp)[:16] for a, fp in self.fingerprints.items()}
+        self.tag = self.tags[None]
+        self._by_tag: dict[str, str | None] = {}
+        for a, tag in self.tags.items():
+            self._by_tag.setdefault(tag, a)  # two folders of the same weights share their files
+        self.index: dict[tuple, tuple[Path, int]] = {}  # (adapter, prompt ids) -> (file, size)
+        self._names: dict[str, tuple | None] = {}  # file name -> its key (None: unreadable)
         self.writes = self.loads = self.errors = self.evictions = 0
         self.stale_removed = remove_stale_temps(self.folder)
 
@@ -93,78 +102,94 @@ class PrefixDisk:
     def nbytes(self) -> int:
         return sum(size for _, size in self.index.values())
 
-    def path_for(self, ids: tuple[int, ...]) -> Path:
+    def _canon(self, adapter: str | None) -> str | None:
+        """The folder files of this adapter's weights are indexed under."""
+        return self._by_tag[self.tags[adapter]]
+
+    def path_for(self, key: tuple) -> Path:
+        adapter, ids = key
         digest = hashlib.sha256(struct.pack(f"<{len(ids)}i", *ids)).hexdigest()[:32]
-        return self.folder / f"{self.tag}-{digest}{SUFFIX}"
+        return self.folder / f"{self.tags[adapter]}-{digest}{SUFFIX}"
 
     # -- the folder, as other processes left it -----------------------------------------------
     def rescan(self) -> None:
         try:
             found = {e.name: e.stat().st_size for e in os.scandir(self.folder)
-                     if e.name.startswith(self.tag + "-") and e.name.endswith(SUFFIX) and e.is_file()}
+                     if e.name[16:17] == "-" and e.name[:16] in self._by_tag and e.name.endswith(SUFFIX)
+                     and e.is_file()}
         except OSError:
             found = {}
         for name in list(self._names):
             if name not in found:
-                ids = self._names.pop(name)
-                if ids is not None:
-                    self.index.pop(ids, None)
+                key = self._names.pop(name)
+                if key is not None:
+                    self.index.pop(key, None)
         for name, size in found.items():
             if name not in self._names:
-                ids = self._peek(self.folder / name)
-                self._names[name] = ids
-                if ids is not None:
-                    self.index[ids] = (self.folder / name, size)
+                adapter = self._by_tag[name[:16]]
+                ids = self._peek(self.folder / name, self.fingerprints[adapter])
+                key = (adapter, ids) if ids is not None else None
+                self._names[name] = key
+                if key is not None:
+                    self.index[key] = (self.folder / name, size)
 
-    def _peek(self, path: Path) -> tuple[int, ...] | None:
+    @staticmethod
+    def _peek(path: Path, fingerprint: dict) -> tuple[int, ...] | None:
         """The prompt ids a file records, from its header (None: not one of ours, or damaged)."""
         try:
             c = open_container(path)
             doc = json.loads(c.metadata.get(META_KEY, "null"))
             t = c.tensors.get(PREFIX)
-            if not isinstance(doc, dict) or doc.get("model") != self.fingerprint or t is None or t.dtype != "int32":
+            if not isinstance(doc, dict) or doc.get("model") != fingerprint or t is None or t.dtype != "int32":
                 return None
             return tuple(struct.unpack(f"<{t.nbytes // 4}i", c.read(t)))
         except (MlxkvError, ValueError, RecursionError, struct.error):
             return None
 
     # -- lookups and writes ------------------------------------------------------------------
-    def best(self, ids: list[int]) -> tuple[tuple[int, ...], int]:
-        """The indexed prompt sharing the longest prefix with `ids`, and that length."""
+    def best(self, adapter: str | None, ids: list[int]) -> tuple[tuple, int]:
+        """The indexed prompt of `adapter` sharing the longest prefix with `ids`, and that length."""
+        if adapter not in self.tags:
+            return (), 0
+        adapter = self._canon(adapter)
         self.rescan()
-        key = max(self.index, key=lambda k: common_prefix(k, ids), default=None)
-        return (key, common_prefix(key, ids)) if key is not None else ((), 0)
+        key = max((k for k in self.index if k[0] == adapter), key=lambda k: common_prefix(k[1], ids), default=None)
+        return (key, common_prefix(key[1], ids)) if key is not None else ((), 0)
 
-    def load(self, ids: tuple[int, ...]) -> list | None:
+    def load(self, key: tuple) -> list | None:
         """The caches of that file (fully checked), or None (vanished, damaged, not ours)."""
-        path, _ = self.index[ids]
+        path, _ = self.index[key]
         try:
             cf = open_cache_file(path)
-            if cf.fingerprint != self.fingerprint or tuple(cf.prefix_ids) != ids:
+            if cf.fingerprint != self.fingerprints[key[0]] or tuple(cf.prefix_ids) != key[1]:
                 raise MlxkvError("not this server's prompt")
             caches = cf.restore()
             os.utime(path)  # the newest file now, for eviction
         except (MlxkvError, OSError):
             self.errors += 1
-            self.index.pop(ids, None)
+            self.index.pop(key, None)
             return None
         self.loads += 1
         return caches
 
-    def save(self, ids: tuple[int, ...], caches: list, nbytes: int) -> None:
-        """Write one prompt's caches (not if they alone exceed the bound), then evict the oldest
-        files beyond it."""
-        if nbytes > self.capacity or ids in self.index:
+    def save(self, key: tuple, caches: list, nbytes: int) -> None:
+        """Write one prompt's caches (not if they alone exceed the bound, or its adapter has no
+        fingerprint here), then evict the oldest files beyond it."""
+        adapter, ids = key
+        if nbytes > self.capacity or adapter not in self.tags:
             return
-        path = self.path_for(ids)
+        key = (self._canon(adapter), ids)
+        if key in self.index:
+            return
+        path = self.path_for(key)
         try:
-            size = save_cache(path, caches, list(ids), self.fingerprint)
+            size = save_cache(path, caches, list(ids), self.fingerprints[key[0]])
         except (MlxkvError, OSError):
             self.errors += 1
             return
         self.writes += 1
-        self._names[path.name] = ids
-        self.index[ids] = (path, size)
+        self._names[path.name] = key
+        self.index[key] = (path, size)
         self._evict(keep=path)
 
     def _evict(self, keep: Path) -> None:
@@ -174,11 +199,11 @@ class PrefixDisk:
             except OSError:
                 return 0.0
 
-        by_age = sorted((mtime(p), ids) for ids, (p, _) in self.index.items() if p != keep)
-        for _, ids in by_age:
+        by_age = sorted(((mtime(p), key) for key, (p, _) in self.index.items() if p != keep), key=lambda t: t[0])
+        for _, key in by_age:
             if self.nbytes <= self.capacity:
                 return
-            path, _ = self.index.pop(ids)
+            path, _ = self.index.pop(key)
             self._names.pop(path.name, None)
             try:
                 path.unlink()
