@@ -85,12 +85,16 @@ def fit(
         return
     t = Table(title=f"fit: budget {format_bytes(budget)}, weights {format_bytes(weights)}, "
                     f"full-precision KV in {kv_note}")
-    for c in ("scheme", "batch", "max context", "context", "max batch"):
+    for c in ("scheme", "batch", "max context", "context", "max batch", "1-row peak", "prefill chunk"):
         t.add_column(c)
     for r in rows:
+        peak = "-" if r.context is None else (format_bytes(r.peak) if r.peak is not None else "does not fit")
         t.add_row(r.scheme, str(r.batch or "-"), str(r.max_context if r.max_context is not None else "-"),
-                  str(r.context or "-"), str(r.max_batch if r.max_batch is not None else "-"))
+                  str(r.context or "-"), str(r.max_batch if r.max_batch is not None else "-"), peak,
+                  str(r.chunk) if r.chunk else "-")
     out.print(t)
+    out.print("peak: weights + one row's KV + one layer's prefill transient (the chunk the budget allows, "
+              "as generate runs it)")
 
 
 def read_budget(text: str) -> int:

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from backend_expect import mlx_lm_quantized_runs
 
 from kvcore.bench import SHAPES
-from kvcore.bench.fit import fit_table, layer_shapes, row_bytes
+from kvcore.bench.fit import fit_table, layer_shapes, prefill_transient, row_bytes
 from kvcore.bench.shapes import shape_weight_bytes
 from kvcore.bench.grid import scheme_policy
 from kvcore.bench.measure import step_weight_bytes
@@ -23,18 +23,12 @@ from mlxkv_cli.main import build_app
 runner = CliRunner()
 
 
-def bench(*args):
-    r = runner.invoke(build_app(), ["bench", *args, "--gen", "4", "--repeats", "1", "--json"])
-    assert r.exit_code == 0, r.output
-    return json.loads(r.stdout)
-
-
-def test_bench_rows_are_cross_checked(tiny_models, tmp_path):
+def test_bench_rows_are_cross_checked(tiny_models, qwen3_bench):
     """qwen3 fixture: head_dim 64, so mlx-lm can quantize one row and codec arithmetic is exact."""
-    rep = bench("-m", str(tiny_models("qwen3")), "--kv", "full,affine:8,affine:4", "--context", "64",
-                "--batch", "1,2", "--csv", str(tmp_path / "b.csv"), "--output", str(tmp_path / "b.json"))
-    rows = {(r["scheme"], r["batch"], r["engine"]): r for r in rep["rows"]}
-    assert len(rows) == 12
+    rep, out = qwen3_bench  # conftest: 6 schemes, batches 1 and 2; full, affine:8 and affine:4 checked here
+    every = {(r["scheme"], r["batch"], r["engine"]): r for r in rep["rows"]}
+    assert len(every) == 24
+    rows = {k: r for k, r in every.items() if k[0] in ("full", "affine:8", "affine:4")}
     layers, kv_heads, head_dim = 2, 2, 64
     model, _ = load(str(tiny_models("qwen3")))  # untied output layer: the token table is only gathered
     untied_step_weights = sum(v.nbytes for _, v in tree_flatten(model.parameters())) - model.model.embed_tokens.weight.nbytes
@@ -53,9 +47,9 @@ def test_bench_rows_are_cross_checked(tiny_models, tmp_path):
             assert r["kv_bytes"] == batch * tokens * layers * kv_heads * head_dim * 2 * bits / 8
             assert r["bytes_per_step"] == untied_step_weights + r["kv_bytes"]
     assert rows[("affine:4", 1, "mlxkv")]["vs_mlx_lm"] > 0
-    with open(tmp_path / "b.csv") as f:
-        assert len(list(csv.DictReader(f))) == 12
-    assert json.loads((tmp_path / "b.json").read_text())["rows"] == rep["rows"]
+    with open(out / "b.csv") as f:
+        assert len(list(csv.DictReader(f))) == 24
+    assert json.loads((out / "b.json").read_text())["rows"] == rep["rows"]
 
 
 def test_bench_default_model_shows_mlx_lm_failing(stories_bench):
@@ -105,11 +99,16 @@ def test_fit_arithmetic_by_hand():
     assert row_bytes(shapes, scheme_policy("full"), 1000, 2) == 1000 * per_token_bf16
     assert row_bytes(shapes, scheme_policy("affine:4"), 1000, 2) == 1000 * 32 * 8 * 128 * 2 * 4.5 / 8
     budget, weights = 40 * 2**30, 16 * 2**30
-    rows = fit_table(cfg, {"full": scheme_policy("full")}, budget, weights, [1, 4], [32768])
+    full = scheme_policy("full")
+    rows = fit_table(cfg, {"full": full}, budget, weights, [1, 4], [32768])
     free = budget - weights
     assert rows[0].max_context == min(free // per_token_bf16, 131072)
     assert rows[1].max_context == free // (4 * per_token_bf16)
     assert rows[2].max_batch == free // (32768 * per_token_bf16)
+    # one row's peak: weights + its KV + one layer's prefill transient at the chunk the budget allows
+    kv = 32768 * per_token_bf16
+    transient, chunk = prefill_transient(cfg, full, 32768, weights, kv, budget, 2)
+    assert rows[2].peak == weights + kv + transient and rows[2].chunk == chunk and 0 < transient < budget - weights - kv
 
 
 def test_fit_sliding_layers_cap_at_the_window():

@@ -49,6 +49,8 @@ class FitRow:
     context: int | None
     max_context: int | None = None
     max_batch: int | None = None
+    peak: int | None = None  # context rows: one row's predicted peak (weights + KV + one layer's prefill transient)
+    chunk: int | None = None  # ... and the prefill chunk the budget allows it
 
     def to_json(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if v is not None}
@@ -66,8 +68,25 @@ def max_context(shapes, policy: KVPolicy, budget_kv: int, batch: int, dtype_size
     return lo
 
 
+def prefill_transient(config: dict, policy: KVPolicy, context: int, weights: int, kv: int, budget: int,
+                      dtype_size: int) -> tuple[int, int] | None:
+    """(one layer's prefill transient, the chunk) of a `context`-token prompt under `budget`
+    (kvcore.transient's plan, as the jobs run it); None where not even the smallest chunk fits."""
+    from ..errors import MlxkvError
+    from ..transient import plan_prefill
+
+    try:
+        plan = plan_prefill(config, policy, context, weights, kv, budget, dtype_size)
+    except MlxkvError:
+        return None
+    return plan.transient.total, plan.chunk
+
+
 def fit_table(config: dict, policies: dict[str, KVPolicy], budget: int, weights: int, batches, contexts,
               dtype_size: int = 2) -> list[FitRow]:
+    """Per scheme: the longest context for each batch and the largest batch for each context
+    (their KV beside the weights), and for each context one row's predicted peak: weights + KV +
+    one layer's prefill transient at the chunk the budget allows (what a run's peak holds)."""
     free = max(0, budget - weights)
     limit = config.get("text_config", config).get("max_position_embeddings", 131072)
     shapes = layer_shapes(config)
@@ -77,6 +96,7 @@ def fit_table(config: dict, policies: dict[str, KVPolicy], budget: int, weights:
             rows.append(FitRow(name, b, None, max_context=max_context(shapes, policy, free, b, dtype_size, limit)))
         for ctx in contexts:
             per_row = row_bytes(shapes, policy, ctx, dtype_size)
-            rows.append(FitRow(name, None, ctx, max_batch=free // per_row if per_row else None))
+            t = prefill_transient(config, policy, ctx, weights, per_row, budget, dtype_size)
+            rows.append(FitRow(name, None, ctx, max_batch=free // per_row if per_row else None,
+                               peak=weights + per_row + t[0] if t else None, chunk=t[1] if t else None))
     return rows
-
