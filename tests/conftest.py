@@ -78,3 +78,27 @@ def stories_bench(tmp_path_factory):
     r = CliRunner().invoke(build_app(), args + (["--plot", str(png)] if png else []))
     assert r.exit_code == 0, r.output
     return json.loads(r.stdout), r.stderr, png
+
+
+QWEN3_BENCH_SCHEMES = ("full", "affine:8", "affine:4", "turbo:k4v3", "turbo:4/r8", "affine:4/g32/r3")
+
+
+@pytest.fixture(scope="session")
+def qwen3_bench(tiny_models, tmp_path_factory):
+    """``(report, folder)`` of one ``mlxkv bench --json`` on the qwen3 fixture (head_dim 64: mlx-lm
+    quantizes one row, codec arithmetic is exact): ``QWEN3_BENCH_SCHEMES`` at context 64, batches 1
+    and 2, 4 tokens, one repeat, also written to ``folder``/b.csv and b.json.  Shared by test_bench
+    and test_bench_codecs (one run, one bandwidth probe)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from mlxkv_cli.main import build_app
+
+    out = tmp_path_factory.mktemp("qwen3_bench")
+    r = CliRunner().invoke(build_app(), [
+        "bench", "-m", str(tiny_models("qwen3")), "--kv", ",".join(QWEN3_BENCH_SCHEMES), "--context", "64",
+        "--batch", "1,2", "--gen", "4", "--repeats", "1", "--json", "--csv", str(out / "b.csv"),
+        "--output", str(out / "b.json")])
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout), out

@@ -137,13 +137,10 @@ def test_fit_bad_scheme_is_one_line(kv, message):
     assert r.exit_code == 1 and message in r.stderr and r.stderr.strip().count("\n") == 0, r.stderr
 
 
-def test_bench_reports_nbytes_and_codec_bits(models, tiny_models):
+def test_bench_reports_nbytes_and_codec_bits(models, qwen3_bench):
     """qwen3: 2 layers, 2 KV heads, head_dim 64; 64 prompt + 4 generated tokens, the last never fed back."""
-    schemes = ["full", "affine:8", "turbo:k4v3", "turbo:4/r8", "affine:4/g32/r3"]
-    r = CliRunner().invoke(build_app(), ["bench", "-m", str(tiny_models("qwen3")), "--kv", ",".join(schemes),
-                                         "--context", "64", "--batch", "1,2", "--gen", "4", "--repeats", "1", "--json"])
-    assert r.exit_code == 0, r.output
-    rows = {(x["scheme"], x["batch"], x["engine"]): x for x in json.loads(r.stdout)["rows"]}
+    schemes = ["full", "affine:8", "turbo:k4v3", "turbo:4/r8", "affine:4/g32/r3"]  # of conftest's run
+    rows = {(x["scheme"], x["batch"], x["engine"]): x for x in qwen3_bench[0]["rows"]}
     model, config = models("qwen3")
     tokens, elements = 64 + 4 - 1, 2 * 2 * 64 * 2
     # codec arithmetic per K/V element: turbo 4 bits + a float16 norm per 64 (4.25), 3 bits likewise (3.25)
