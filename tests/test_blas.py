@@ -21,7 +21,11 @@ needs_openblas = pytest.mark.skipif(
 cpu_backend = pytest.mark.skipif(mx.default_device() != mx.cpu,
                                  reason="GPU default device: the CPU BLAS does not serve MLX's matmuls")
 
-PROBE = ("import json, mlx.core as mx; from kvcore.blas import blas_status; s = blas_status(); "
+# kvcore/blas.py on its own (kvcore's package imports mlx-lm: 2 s a probe): blas_status of a fresh process
+PROBE = ("import importlib.util, json, sys, mlx.core as mx; "
+         f"spec = importlib.util.spec_from_file_location('kvcore_blas', {str(ROOT / 'kvcore' / 'blas.py')!r}); "
+         "blas = sys.modules['kvcore_blas'] = importlib.util.module_from_spec(spec); spec.loader.exec_module(blas); "
+         "s = blas.blas_status(); "
          "print(json.dumps({'optimized': s.optimized, 'library': s.library, 'hint': s.hint, "
          "'cpu': mx.default_device() == mx.cpu}))")
 
