@@ -8,13 +8,14 @@ from __future__ import annotations
 import json
 import shutil
 
-import jsonschema
 import pytest
 
 from kvcore.serve.prompting import chat_ids
 from kvcore.serve.protocol import Message
 from kvcore.serve.server import EXTRA_MODULES
 from kvcore.serve.tools import ToolStream, parse
+
+jsonschema = pytest.importorskip("jsonschema")  # the dev extra (absent on the device image: the module skips)
 
 TEMPLATE = (
     "{%- if tools %}<|system|>{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n{% endif %}"
