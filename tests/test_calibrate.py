@@ -15,7 +15,7 @@ from kvcore.calibrate import Budget, CalibrateJob, config_policy, run_calibrate
 from kvcore.errors import MlxkvError
 from kvcore.fidelity import teacher_forced_logprobs
 from kvcore.fidelity.bytes import kv_bytes
-from kvcore.policy import build_caches
+from kvcore.policy import KVOptions, build_caches, resolve_policy
 from kvcore.policy.kv_config import load_kv_file
 from mlxkv_cli.main import build_app
 
@@ -47,10 +47,12 @@ def at_4_bits(llama, text):
 
 
 def filled_bytes(model_dir, entries, tokens: int):
-    """Deployed and held bytes of real caches under the config after `tokens` teacher-forced tokens."""
+    """Deployed and held bytes of real caches under the config (entries, or a --kv label) after `tokens`
+    teacher-forced tokens."""
     model, tok = load(str(model_dir))
     model.set_dtype(mx.float16)
-    caches = build_caches(model, config_policy(entries))[0]
+    policy = resolve_policy(KVOptions(kv=entries, quantized_kv_start=0)) if isinstance(entries, str) else config_policy(entries)
+    caches = build_caches(model, policy)[0]
     ids = (tok.encode(STORY) * 4)[:tokens]
     teacher_forced_logprobs(model, ids, caches, chunk=48)
     return kv_bytes(caches)
@@ -64,6 +66,17 @@ def test_bits_budget_is_honoured_against_real_caches(llama, at_4_bits):
     assert got.deployed <= r["budget"]["kv_bytes_per_row"] == int(4.0 * got.elements / 8)
     assert r["bits_per_element"]["200"] == pytest.approx(8 * got.deployed / got.elements)
     assert r["bits_per_element"]["200"] <= 4.0
+
+
+def test_every_uniform_scheme_within_the_budget_is_listed(llama, at_4_bits):
+    r = at_4_bits.report
+    us = r["uniforms_within_budget"]
+    assert len(us) > 10 and r["uniform"]["name"] == f"uniform {us[0]['scheme']}"
+    assert [u["predicted_kl"] for u in us] == sorted(u["predicted_kl"] for u in us)
+    assert all(u["bytes"] <= r["budget"]["kv_bytes_per_row"] and u["bits_per_element"] <= 4.0 for u in us)
+    assert "affine:2/g64" in [u["scheme"] for u in us] and "affine:8/g64" not in [u["scheme"] for u in us]
+    for u in (us[0], us[-1]):
+        assert filled_bytes(llama, u["scheme"], 200).deployed == u["bytes"]
 
 
 def test_memory_budget_is_honoured_against_real_caches(llama, text):

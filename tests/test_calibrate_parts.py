@@ -4,6 +4,7 @@ kv_config's recent field, and the proxy's view of which tokens a query reads enc
 import itertools
 import json
 import random
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -16,6 +17,9 @@ from kvcore.calibrate.solve import Item, solve
 from kvcore.codecs import CodecSpec
 from kvcore.errors import MlxkvError
 from kvcore.policy.kv_config import parse_kv_file
+
+# What `optiq kv-cache` (mlx-optiq 0.7.7) wrote for SmolLM2-135M, kept byte for byte (BENCHMARKS.md, calibrate).
+OPTIQ_FILE = Path(__file__).resolve().parents[1] / "benchmarks/calibrate-smollm2-optiq-0.7.7-kv_config.json"
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -63,6 +67,16 @@ def test_config_entries_keep_optiqs_format_for_plain_affine():
     policy = config_policy(split)
     assert policy.codec_for(3) == CodecSpec("turbo", 5) and policy.value_codec_for(3) == CodecSpec("turbo", 3)
     assert policy.recent_for(3) == 16 and policy.codec_for(0) == CodecSpec("full")
+
+
+def test_optiqs_own_file_is_read_and_written_back_byte_for_byte():
+    raw = OPTIQ_FILE.read_text()
+    cfg = parse_kv_file(json.loads(raw))
+    assert len(cfg.layers) == 30 and cfg.recents == ()
+    choices = {i: LayerOption(k, v) for i, k, v in cfg.layers}
+    assert config_text(config_entries(choices)) == raw  # optiq's json.dump(indent=2), no trailing newline
+    policy = config_policy(config_entries(choices))
+    assert [policy.codec_for(i).bits for i in range(30)] == [e["bits"] for e in json.loads(raw)]
 
 
 def test_kv_config_recent_per_layer(tmp_path):

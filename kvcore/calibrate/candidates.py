@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from ..codecs import FULL, CodecSpec, codec_names, make_codec
 from ..errors import MlxkvError
-from ..policy.kv_spec import DEFAULT_GROUP, GROUPED, kv_label
+from ..policy.kv_spec import DEFAULT_GROUP, GROUPED, kv_label, split_kv_list
 
 DEFAULT = "full,affine:2..8,turbo:2..8,/r8,/r16,/r32"
 OPTIQ_DEFAULT = "full,affine:2..8/g32/g64/g128"
@@ -130,7 +130,7 @@ def parse_candidates(text: str | None, optiq_compatible: bool = False) -> Candid
     """`--kv` candidate list -> CandidateSet; anything else is a one-line MlxkvError naming it."""
     if text is None:
         text = OPTIQ_DEFAULT if optiq_compatible else DEFAULT
-    items = [t.strip() for t in text.split(",") if t.strip()]
+    items = split_kv_list(text)
     if not items:
         raise MlxkvError("--kv: no candidates (e.g. --kv full,affine:2..8,turbo:2..8)")
     families, recents, full = [], [0], False

@@ -153,19 +153,18 @@ def _solutions(cands: CandidateSet, scores: dict[int, LayerScores], shapes, toke
     return sorted(out.values(), key=lambda c: c.predicted)[:checks]
 
 
-def _uniform(cands: CandidateSet, scores: dict[int, LayerScores], shapes, tokens: int, budget: int,
-             dtype_bytes: int) -> Check | None:
-    """The best-predicted single option for every layer that fits the budget."""
-    layers, best = sorted(scores), None
+def _uniforms(cands: CandidateSet, scores: dict[int, LayerScores], shapes, tokens: int, budget: int,
+              dtype_bytes: int) -> list[Check]:
+    """Every single option for all layers that fits the budget, best predicted first (the first is the
+    uniform scheme measured beside the calibrated configs; the report lists them all)."""
+    layers, out = sorted(scores), {}
     for r in cands.recents:
         for o in cands.options(r):
             nbytes = sum(option_bytes(shapes[i], o, tokens, dtype_bytes) for i in layers)
-            if nbytes > budget:
-                continue
-            pred = sum(scores[i].cost(o) for i in layers)
-            if best is None or pred < best.predicted:
-                best = Check(f"uniform {o.label()}", {i: o for i in layers}, pred, nbytes)
-    return best
+            if nbytes <= budget and o.compresses and o not in out:
+                out[o] = Check(f"uniform {o.label()}", {i: o for i in layers}, sum(scores[i].cost(o) for i in layers),
+                               nbytes)
+    return sorted(out.values(), key=lambda c: c.predicted)
 
 
 def _check_feasible(cands: CandidateSet, shapes, layers: list[int], tokens: int, budget: int, dtype_bytes: int) -> None:
@@ -224,7 +223,8 @@ def run_calibrate(job: CalibrateJob, on_progress: Progress | None = None) -> Cal
     phase["sensitivities_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     checks = _solutions(cands, scores, shapes, tokens, budget, job.budget.dtype_bytes, job.checks)
-    uniform = _uniform(cands, scores, shapes, tokens, budget, job.budget.dtype_bytes)
+    uniforms = _uniforms(cands, scores, shapes, tokens, budget, job.budget.dtype_bytes)
+    uniform = uniforms[0] if uniforms else None
     for c in checks + ([uniform] if uniform else []):
         c.measured = measure(model, refs, config_policy(config_entries(c.choices)), job.chunk)
         step(f"check: {c.name}", len(cal))
@@ -274,6 +274,9 @@ def run_calibrate(job: CalibrateJob, on_progress: Progress | None = None) -> Cal
         "bits_per_element": bits,
         "checks": [c.to_json(shapes, tokens, job.budget.dtype_bytes) for c in checks],
         "uniform": None if uniform is None else uniform.to_json(shapes, tokens, job.budget.dtype_bytes),
+        "uniforms_within_budget": [{"scheme": c.name.removeprefix("uniform "), "bytes": c.nbytes,
+                                    "bits_per_element": 8 * c.nbytes / elements, "predicted_kl": c.predicted}
+                                   for c in uniforms],
         "heldout": {"chosen": held_chosen.to_json(),
                     "uniform": None if held_uniform is None else held_uniform.to_json()},
         "decode_tok_s": decode,
