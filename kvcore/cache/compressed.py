@@ -29,8 +29,8 @@ from . import rollback
 from .buffer import STEP, Buffer
 from .view import DENSE, ENCODED, SHADOW, Joint, KVView, Segment
 
-TRIM_STEP = 128
-JOINT_CONCAT_TOKENS = 16  # joint storage: runs up to this many tokens are encoded in one call  # a multiple of every block size, so dropping never splits a block
+TRIM_STEP = 128  # a multiple of every block size, so dropping never splits a block
+JOINT_CONCAT_TOKENS = 16  # joint storage: runs up to this many tokens are encoded in one call
 CONVERT_PIECE = 4096  # tokens encoded per call when a layer's stored tokens are converted at once
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
