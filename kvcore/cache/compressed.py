@@ -17,7 +17,6 @@ Honours mlx-lm's cache protocol (`update_and_fetch`, `offset`, `make_mask`, `tri
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
@@ -27,32 +26,14 @@ from ..attention.config import AttentionConfig, AttentionStats
 from ..codecs import CodecSpec, make_codec
 from . import rollback
 from .buffer import STEP, Buffer
+from .layout import DTYPES as _DTYPES
+from .layout import Layout
+from .layout import dtype_name as _dtype_name
 from .view import DENSE, ENCODED, SHADOW, Joint, KVView, Segment
 
 TRIM_STEP = 128  # a multiple of every block size, so dropping never splits a block
 JOINT_CONCAT_TOKENS = 16  # joint storage: runs up to this many tokens are encoded in one call
 CONVERT_PIECE = 4096  # tokens encoded per call when a layer's stored tokens are converted at once
-_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
-
-
-def _dtype_name(dtype: mx.Dtype) -> str:
-    return str(dtype).rsplit(".", 1)[-1]
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How a CompressedKVCache stores a token, once its dimensions are known: what packing rows
-    together, storage and byte counting read instead of the cache's private fields."""
-
-    batch: int
-    heads: int
-    head_dim: int
-    value_dim: int
-    dtype: mx.Dtype
-    key_parts: int | None  # encoded arrays per key (None: nothing encoded yet)
-    joint: bool  # K and V in one set of encoded arrays (view.Joint)
-    block_tokens: int
-
 
 class CompressedKVCache(_BaseCache):
     def __init__(
