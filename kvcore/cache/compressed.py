@@ -278,9 +278,8 @@ class CompressedKVCache(_BaseCache):
     @property
     def state(self) -> tuple:
         """Every stored array: sink (k, v), encoded key parts then value parts, tail (k, v)."""
-        enc = tuple(a for half in self._split_enc() for a in half) if self.enc.n and self.joint else None
-        return tuple(a for b in (self.sink, self.enc, self.tail) if b.n
-                     for a in (enc if b is self.enc and enc is not None else b.get()))
+        enc = tuple(a for half in self._split_enc() for a in half) if self.enc.n else ()
+        return (*(self.sink.get() if self.sink.n else ()), *enc, *(self.tail.get() if self.tail.n else ()))
 
     # -- mlx-lm's state protocol: arrays in `state`, everything else in `meta_state` ----------
     @state.setter

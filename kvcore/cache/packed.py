@@ -154,7 +154,7 @@ class PackedRows:
         L = max(self.lengths)
         joint = Joint(self.parts, H) if t.joint else None
         if joint is not None:
-            kp, vp = tuple(p[:, :H] for p in self.parts), tuple(p[:, H:] for p in self.parts)
+            kp, vp = joint.halves(joint.capacity)
         else:
             nk = t.shape_layout.key_parts or 1 if t.key_codec is not None else 1
             kp, vp = self.parts[:nk], self.parts[nk:]
