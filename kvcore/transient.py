@@ -185,16 +185,19 @@ def plan_prefill(config: dict, policy, context: int, weights: int, kv: int, budg
                      f"+ KV {kv / 1e9:.2f} GB leave {max(left, 0) / 1e9:.3f} GB for one layer's transient")
 
 
+def plan_limit(plan: PrefillPlan) -> int:
+    """The memory limit a prefill under `plan` runs at: its peak, and never below what is live
+    now plus its KV and transient."""
+    return max(plan.peak, mx.get_active_memory() + plan.kv + plan.transient.total)
+
+
 @contextmanager
 def memory_limit(plan: PrefillPlan | int):
     """MLX's memory limit at `plan`'s peak (or that many bytes) inside the block, restored after:
     the graph walk waits for in-flight work whenever active memory is over it. A plan's limit is
     never below what is live now plus its KV and transient (arrays the plan does not know of, held
     by the caller, would otherwise make every step wait)."""
-    if isinstance(plan, PrefillPlan):
-        limit = max(plan.peak, mx.get_active_memory() + plan.kv + plan.transient.total)
-    else:
-        limit = int(plan)
+    limit = plan_limit(plan) if isinstance(plan, PrefillPlan) else int(plan)
     old = mx.set_memory_limit(limit)
     try:
         yield limit
@@ -235,7 +238,7 @@ class PrefillMemory:
             plan = plan_for_model(self.model, self.config, self.policy, context, attention=self.attention)
         except (AttributeError, KeyError, TypeError, ValueError, ZeroDivisionError, MlxkvError):
             return None
-        return max(plan.peak, mx.get_active_memory() + plan.kv + plan.transient.total)
+        return plan_limit(plan)
 
     def bound(self, context: int):
         """A context manager: `memory_limit` at `limit(context)` (nothing, where it is None)."""

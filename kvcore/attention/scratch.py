@@ -28,8 +28,8 @@ import mlx.core as mx
 from ..backend import backend_name
 from ..cache.view import DENSE, ENCODED, SHADOW, KVView
 
-UNKNOWN_WORKSPACE = 8.0
-DECODE_QUERIES = 8  # queries of a decode or verify step  # a codec this table does not know: a generous bound
+UNKNOWN_WORKSPACE = 8.0  # a codec this table does not know: a generous bound
+DECODE_QUERIES = 8  # queries of a decode or verify step
 
 
 def workspace_factor(codec, dtype: mx.Dtype) -> float:
