@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# One short device session (about 4 minutes): what a change to the decode path needs checked and
+# One short device session (about 6 minutes): what a change to the decode path needs checked and
 # timed on the GPU, most valuable first, each part under its own time limit.
 #   source /var/tmp/mlxw/gpu-env.sh && OUT=/some/folder bash scripts/gpu_session.sh
 # 1. the kernel and joint-storage tests (kernel == portable on this device);
+#    then scripts/gpu_step_anatomy.py (host build / host encode / wall of a whole model's step);
 # 2. scripts/gpu_bench.py at 512 and 32k (mlx-lm bf16 in the same run; kernel rows forced);
 # 3. scripts/gpu_profile_step.py (32 attention layers, no weights) at 512, 8k and 32k;
 # 4. the tests that failed on CUDA before (BENCHMARKS: the CUDA suite).
@@ -16,10 +17,11 @@ step() { local name=$1 limit=$2; shift 2; echo "== $name (<= ${limit}s)"; local 
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?; tail -n 25 "$OUT/$name.log"
   echo "== $name rc=$rc in $((SECONDS - t0))s"; }
 pytest_args=(-q -p no:cacheprovider -n 4 --timeout 60 -rfEs)
-step kernel-tests 45 python3 -m pytest "${pytest_args[@]}" tests/test_joint_storage.py tests/test_cuda_decode.py \
-  tests/test_prefill_bound.py
+step kernel-tests 75 python3 -m pytest "${pytest_args[@]}" tests/test_cuda_encode.py tests/test_joint_storage.py \
+  tests/test_cuda_decode.py tests/test_prefill_bound.py
+step anatomy 100 python3 scripts/gpu_step_anatomy.py --contexts 512,32768
 step bench 115 python3 scripts/gpu_bench.py --contexts 512,32768 --no-prefill --repeats 3 --budget-s 95 \
-  --output "$OUT/h200-llama-8b-joint.json"
+  --output "$OUT/h200-llama-8b-run4.json"
 step profile 45 python3 scripts/gpu_profile_step.py --contexts 512,8192,32768 --steps 32 \
   --kinds mlx-lm,affine4-update,affine4,affine4-kernel
 step cuda-tests 50 python3 -m pytest "${pytest_args[@]}" -n 8 tests/test_attention_blockwise.py tests/test_blas.py \

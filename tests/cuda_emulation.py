@@ -77,7 +77,7 @@ def emulate_partials(q: mx.array, launch, plan: Plan, scale: float, heads: int, 
     chunk, nsplit = split or plan.splits(launch.columns, B, heads)
     qf = (np.array(q.astype(mx.float32)) * np.float32(scale)).reshape(B, heads, rep, N, D).reshape(B, heads, QV, D)
     kx, ks, kb = side_values(plan.key, launch.k_arrays, launch.k_book)
-    vals = decoded(plan.value, launch.v_arrays, launch.v_book)
+    vals = decoded(plan.value, launch.v_arrays, launch.v_book)[:, launch.v_head :]  # joint storage: V from head Hkv
     G = ks.shape[-1]
     rows = np.array(launch.rows)
     m = np.full((B, heads, nsplit, QV), NEG, np.float32)

@@ -62,6 +62,7 @@ class Launch:
     v_book: mx.array
     rows: mx.array  # (B, 3) int32: lo0, hi0, count (columns of this segment)
     columns: int  # most tokens a row holds here (host int): sizes the splits
+    v_head: int = 0  # the value arrays' first head (joint storage: the key arrays, from head Hkv on)
 
 
 def _const(key, make):
@@ -153,10 +154,10 @@ def _rotation_ok(rotation, *codecs) -> bool:
     return all(rotation is None or getattr(c, "rotation", None) is rotation for c in codecs if c is not None)
 
 
-def _joint_sides(joint) -> tuple[tuple, tuple]:
-    """Key and value arrays of joint storage, read in place by strides: the kernel's grid covers
-    heads [0, H), so the whole arrays serve as the keys and a head-offset view as the values."""
-    return joint.arrays, tuple(a[:, joint.heads :] for a in joint.arrays)
+def _joint_sides(joint) -> tuple[tuple, tuple, int]:
+    """Key arrays, value arrays and the values' first head of joint storage, read in place by
+    strides: the kernel's grid covers heads [0, H), so the same arrays serve K and V, V from head H."""
+    return joint.arrays, joint.arrays, joint.heads
 
 
 def view_launches(q: mx.array, view) -> list[Launch] | None:
@@ -175,17 +176,17 @@ def view_launches(q: mx.array, view) -> list[Launch] | None:
         if seg.kind == ENCODED:
             if seg.block_tokens != 1 or not _rotation_ok(seg.rotation, seg.key_codec, seg.value_codec):
                 return None
-            keys, values = (seg.keys, seg.values) if seg.joint is None else _joint_sides(seg.joint)
+            keys, values, vh = (seg.keys, seg.values, 0) if seg.joint is None else _joint_sides(seg.joint)
             sides = _sides(seg.key_codec, seg.value_codec, keys, values, (view.head_dim, view.value_dim),
                            seg.rotation is not None)
         else:
-            k, v = seg.keys, seg.values
+            k, v, vh = seg.keys, seg.values, 0
             if seg.rotation is not None:  # dense tokens attend in the rotated basis too (few: sinks, recent)
                 k, v = seg.rotation.forward(k), seg.rotation.forward(v)
             sides = _sides(None, None, (k,), (v,), None, False)
         if sides is None:
             return None
-        out.append(Launch(*sides, _rows(bounds, B), seg.length))
+        out.append(Launch(*sides, _rows(bounds, B), seg.length, vh))
     return out or None
 
 
@@ -193,14 +194,14 @@ def packed_launches(q: mx.array, view) -> list[Launch] | None:
     """A PackedView (rows of one layer in shared buffers (B, H, capacity, ...)) as one launch."""
     if not _rotation_ok(view.rotation, view.key_codec, view.value_codec):
         return None
-    keys, values = (view.key_parts, view.value_parts) if view.joint is None else _joint_sides(view.joint)
+    keys, values, vh = (view.key_parts, view.value_parts, 0) if view.joint is None else _joint_sides(view.joint)
     sides = _sides(view.key_codec, view.value_codec, keys, values, (view.head_dim, view.value_dim),
                    view.rotation is not None)
     if sides is None:
         return None
     qs = view.q_start.astype(mx.int32)
     rows = mx.stack([mx.full(qs.shape, -BIG, dtype=mx.int32), qs + 1, qs + view.n_queries], axis=1)
-    return [Launch(*sides, rows, view.key_parts[0].shape[2])]
+    return [Launch(*sides, rows, view.key_parts[0].shape[2], vh)]
 
 
 @cache
@@ -208,30 +209,96 @@ def plan_for(key: Side, value: Side, rep: int, n_queries: int) -> Plan:
     return Plan(key, value, rep, n_queries)
 
 
-def _kernel(name: str, smem: int = 0):
-    key = (name, smem)
-    if key not in _KERNELS:
-        if name == "decode":
-            _KERNELS[key] = mx.fast.cuda_kernel(
-                name="mlxkv_decode", input_names=src.INPUTS, output_names=src.OUTPUTS,
-                source=src.compact(src.SOURCE), header=src.compact(src.HEADER), ensure_row_contiguous=False,
-                shared_memory=smem)
+def _source_constants(consts) -> str:
+    """Compile-time constants as source lines: the kernel text of a plan carries them, so a call
+    passes no template (MLX formats every template argument into the source on every call)."""
+    out = []
+    for name, value in consts:
+        if isinstance(value, bool):
+            out.append(f"constexpr bool {name} = {'true' if value else 'false'};")
+        elif isinstance(value, int):
+            out.append(f"constexpr int {name} = {value};")
         else:
-            _KERNELS[key] = mx.fast.cuda_kernel(
-                name="mlxkv_merge", input_names=src.MERGE_INPUTS, output_names=src.MERGE_OUTPUTS,
-                source=src.compact(src.MERGE_SOURCE), ensure_row_contiguous=True)
-    return _KERNELS[key]
+            out.append(f"using {name} = {value};")
+    return "\n".join(out) + "\n"
 
 
-def partials(q: mx.array, launch: Launch, plan: Plan, scale: float, heads: int, split: tuple[int, int] | None = None):
-    """One launch: (m, l, acc) partial softmax per split, shapes from `Plan.partial_shapes`."""
-    B = q.shape[0]
-    chunk, nsplit = split or plan.splits(launch.columns, B, heads)
-    return _kernel("decode", plan.smem)(
+_CTYPES = {"bfloat16": "__nv_bfloat16", "float16": "__half", "float32": "float"}
+
+
+def _kernel(plan: Plan, fused: bool, has_sink: bool, out_dtype):
+    """The decode kernel object for a plan (its constants in its source), made once."""
+    key = ("decode", plan, fused, has_sink, out_dtype)
+    k = _KERNELS.get(key)
+    if k is None:
+        consts = [*plan.template, ("FUSED", fused), ("HAS_SINK", has_sink), ("OT", _CTYPES[_dtype_name(out_dtype)])]
+        k = _KERNELS[key] = mx.fast.cuda_kernel(
+            name=f"mlxkv_decode_{len(_KERNELS)}", input_names=src.INPUTS, output_names=src.OUTPUTS,
+            source=_source_constants(consts) + src.compact(src.SOURCE), header=_header(),
+            ensure_row_contiguous=False, shared_memory=plan.smem)
+    return k
+
+
+@cache
+def _header() -> str:
+    return src.compact(src.HEADER)
+
+
+def _merge_kernel():
+    k = _KERNELS.get("merge")
+    if k is None:
+        k = _KERNELS["merge"] = mx.fast.cuda_kernel(
+            name="mlxkv_merge", input_names=src.MERGE_INPUTS, output_names=src.MERGE_OUTPUTS,
+            source=src.compact(src.MERGE_SOURCE), ensure_row_contiguous=True)
+    return k
+
+
+# the split counters of fused launches: a ring of slots, each launch takes the next one, so
+# launches that may run at once (no data dependency between them) never share a counter
+RING_SLOTS = 1024
+SLOT = 1024  # counters per slot: rows x KV heads x query chunks of one launch, at most
+_RING = {"next": 0}
+
+
+def _counters() -> mx.array:
+    return _const(("ctr",), lambda: mx.zeros((RING_SLOTS * SLOT,), dtype=mx.int32))
+
+
+def _next_slot() -> int:
+    i = _RING["next"]
+    _RING["next"] = (i + 1) % RING_SLOTS
+    return i * SLOT
+
+
+@cache
+def _geometry(plan: Plan, B: int, heads: int, columns_tiles: int) -> tuple:
+    """(chunk, nsplit, grid, partial shapes) of one launch (cached: a step repeats them per layer)."""
+    chunk, nsplit = plan.splits(columns_tiles * plan.tile, B, heads)
+    return chunk, nsplit, plan.grid(nsplit, heads, B), plan.partial_shapes(B, heads, nsplit)
+
+
+def _scale(scale: float) -> mx.array:
+    return _const(("scale", scale), lambda: mx.array([scale], dtype=mx.float32))
+
+
+def partials(q: mx.array, launch: Launch, plan: Plan, scale: float, heads: int, split: tuple[int, int] | None = None,
+             sinks: mx.array | None = None, fused: bool = False):
+    """One launch: (m, l, acc) partial softmax per split, shapes from `Plan.partial_shapes`, and
+    with `fused` the merged output (B, Hq, N, Dv) in q's dtype as a fourth array."""
+    B, Hq, N, _ = q.shape
+    if split is None:
+        chunk, nsplit, grid, shapes = _geometry(plan, B, heads, -(-launch.columns // plan.tile))
+    else:
+        (chunk, nsplit), grid, shapes = split, plan.grid(split[1], heads, B), plan.partial_shapes(B, heads, split[1])
+    base = _next_slot() if fused else 0
+    sk = _dummy(mx.float32) if sinks is None else sinks.astype(mx.float32).reshape(-1)
+    return _kernel(plan, fused, sinks is not None, q.dtype)(
         inputs=[q, *launch.k_arrays, *launch.v_arrays, launch.k_book, launch.v_book, launch.rows,
-                _ints(chunk, nsplit), _const(("scale", scale), lambda: mx.array([scale], dtype=mx.float32))],
-        template=plan.template, grid=plan.grid(nsplit, heads, B), threadgroup=(THREADS, 1, 1),
-        output_shapes=plan.partial_shapes(B, heads, nsplit), output_dtypes=[mx.float32] * 3,
+                _ints(chunk, nsplit, launch.v_head), _scale(scale),
+                _counters() if fused else _dummy(mx.int32), _ints(base), sk],
+        grid=grid, threadgroup=(THREADS, 1, 1),
+        output_shapes=[*shapes, (B, Hq, N, plan.value.dim) if fused else (1,)],
+        output_dtypes=[mx.float32] * 3 + [q.dtype],
     )
 
 
@@ -240,7 +307,7 @@ def merge(q: mx.array, parts: list, rep: int, value_dim: int, sinks: mx.array | 
     B, Hq, N, _ = q.shape
     m, l, acc = (mx.concatenate([p[i] for p in parts], axis=2) if len(parts) > 1 else parts[0][i] for i in range(3))
     sk = _dummy(mx.float32) if sinks is None else sinks.astype(mx.float32).reshape(-1)
-    return _kernel("merge")(
+    return _merge_kernel()(
         inputs=[m, l, acc, sk, _ints(0, m.shape[2])],
         template=[("REP", rep), ("NQ", N), ("DV", value_dim), ("HAS_SINK", sinks is not None), ("OT", q.dtype)],
         grid=(value_dim, Hq * N, B), threadgroup=(value_dim, 1, 1),
@@ -248,17 +315,25 @@ def merge(q: mx.array, parts: list, rep: int, value_dim: int, sinks: mx.array | 
     )[0]
 
 
+def fusable(plan: Plan, B: int, heads: int) -> bool:
+    """Whether one launch merges its own splits (its counters fit a slot of the ring)."""
+    return B * heads * plan.nqc <= SLOT
+
+
 def attend(q: mx.array, launches: list[Launch] | None, heads: int, scale: float, sinks) -> mx.array | None:
-    """The kernel's attention for these launches, or None where a plan is not admitted."""
+    """The kernel's attention for these launches, or None where a plan is not admitted. One
+    launch merges its own splits; several (segments of a view) are merged by one more launch."""
     if not launches or backend_name() != "cuda":
         return None
-    _, Hq, N, _ = q.shape
+    B, Hq, N, _ = q.shape
     if N > MAX_QUERIES or Hq % heads or q.dtype not in Q_TYPES:
         return None
     rep = Hq // heads
     plans = [plan_for(L.key, L.value, rep, N) for L in launches]
     if any(not admitted(p, q.dtype) for p in plans) or len({p.value.dim for p in plans}) > 1:
         return None
+    if len(launches) == 1 and fusable(plans[0], B, heads):
+        return partials(q, launches[0], plans[0], scale, heads, sinks=sinks, fused=True)[3]
     parts = [partials(q, L, p, scale, heads) for L, p in zip(launches, plans)]
     return merge(q, parts, rep, plans[0].value.dim, sinks)
 

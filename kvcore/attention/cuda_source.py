@@ -167,10 +167,14 @@ __device__ __forceinline__ float warp_sum(float x) {
 }
 """
 
-INPUTS = ["q", "kw", "ks", "kb", "vw", "vs", "vb", "kcb", "vcb", "rows", "dims", "fscale"]
-OUTPUTS = ["m_out", "l_out", "acc_out"]
+INPUTS = ["q", "kw", "ks", "kb", "vw", "vs", "vb", "kcb", "vcb", "rows", "dims", "fscale", "ctr", "slot", "sinks"]
+OUTPUTS = ["m_out", "l_out", "acc_out", "out"]
 
-# grid (nsplit * NQC * THREADS, Hkv, B); block (THREADS): one (split, query chunk, KV head, row)
+# grid (nsplit * NQC * THREADS, Hkv, B); block (THREADS): one (split, query chunk, KV head, row).
+# dims = (chunk, nsplit, value head offset); slot = the counters' base. With FUSED, the block that finishes a
+# (row, KV head, query chunk) last merges its splits into `out` (flash decoding in one launch):
+# every block counts itself in ctr[slot + (b * Hkv + h) * NQC + qc] after its partials are written
+# and fenced; the one that sees nsplit - 1 merges and sets the counter back to 0 for the next launch.
 SOURCE = r"""
   constexpr int QVT = REP * NQ;
   constexpr int NWARP = THREADS / 32;
@@ -190,7 +194,7 @@ SOURCE = r"""
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int qc = blockIdx.x % NQC, split = blockIdx.x / NQC, h = blockIdx.y, b = blockIdx.z;
-  const int CHUNK = dims[0], NSPLIT = dims[1];
+  const int CHUNK = dims[0], NSPLIT = dims[1], VH = dims[2];
   const int lo0 = rows[3 * b], hi0 = rows[3 * b + 1], cnt = rows[3 * b + 2];
   const int t_begin = max(split * CHUNK, max(lo0, 0));
   const int t_end = min(split * CHUNK + CHUNK, min(hi0 + NQ - 1, cnt));
@@ -228,7 +232,7 @@ SOURCE = r"""
   }
   const int vc = tid % TPR, vts = tid / TPR;
   const unsigned char* kbase = row_base(kw, sizeof(*kw), kw_strides.data(), b, h);
-  const unsigned char* vbase = row_base(vw, sizeof(*vw), vw_strides.data(), b, h);
+  const unsigned char* vbase = row_base(vw, sizeof(*vw), vw_strides.data(), b, h + VH);
   const long long ktb = kw_strides[2] * (long long)sizeof(*kw), vtb = vw_strides[2] * (long long)sizeof(*vw);
 
   for (int t0 = t_begin; t0 < t_end; t0 += TT) {
@@ -236,7 +240,7 @@ SOURCE = r"""
     load_rows<KRW, TT, THREADS>(kt, kbase, ktb, t0, nt, tid);
     load_rows<VRW, TT, THREADS>(vt, vbase, vtb, t0, nt, tid);
     load_meta<KK, KNG, KMS, TT, THREADS>(km, ks, kb, ks_strides.data(), kb_strides.data(), b, h, t0, nt, tid);
-    load_meta<VK, VNG, VMS, TT, THREADS>(vm, vs, vb, vs_strides.data(), vb_strides.data(), b, h, t0, nt, tid);
+    load_meta<VK, VNG, VMS, TT, THREADS>(vm, vs, vb, vs_strides.data(), vb_strides.data(), b, h + VH, t0, nt, tid);
     __syncthreads();
 
     // scores: one token per thread, every query vector of the block
@@ -323,6 +327,34 @@ SOURCE = r"""
 #pragma unroll
     for (int u = 0; u < TS; u++) a += scratch[(u * QVB + v) * DV + d];
     acc_out[(ob + v) * DV + d] = a;
+  }
+  if constexpr (FUSED) {
+    __shared__ int last;
+    __threadfence();
+    __syncthreads();
+    int* counter = const_cast<int*>(ctr) + slot[0] + (b * gridDim.y + h) * NQC + qc;
+    if (tid == 0) last = atomicAdd(counter, 1) == NSPLIT - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const long long base = (long long)(b * gridDim.y + h) * NSPLIT * QVT;
+    const int HQ = gridDim.y * REP;
+    for (int i = tid; i < QVB * DV; i += THREADS) {
+      const int v = qc * QVB + i / DV, d = i % DV, hq = h * REP + v / NQ, n = v % NQ;
+      float M = NEG;
+      for (int s = 0; s < NSPLIT; s++) M = fmaxf(M, __ldcg(m_out + base + (long long)s * QVT + v));
+      float sk = 0.f;
+      if constexpr (HAS_SINK) { sk = sinks[hq]; M = fmaxf(M, sk); }
+      float den = HAS_SINK ? __expf(sk - M) : 0.f, num = 0.f;
+      for (int s = 0; s < NSPLIT; s++) {
+        const long long o = base + (long long)s * QVT + v;
+        const float w = __expf(__ldcg(m_out + o) - M);
+        den = fmaf(w, __ldcg(l_out + o), den);
+        num = fmaf(w, __ldcg(acc_out + o * DV + d), num);
+      }
+      out[(((long long)b * HQ + hq) * NQ + n) * DV + d] = static_cast<OT>(den > 0.f ? num / den : 0.f);
+    }
+    if (tid == 0) *counter = 0;
   }
 """
 

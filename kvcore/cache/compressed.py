@@ -24,6 +24,7 @@ from mlx_lm.models.cache import _BaseCache
 from ..attention.config import DEFAULT as DEFAULT_ATTENTION
 from ..attention.config import AttentionConfig, AttentionStats
 from ..codecs import CodecSpec, make_codec
+from ..attention import cuda_encode
 from . import rollback
 from .buffer import STEP, Buffer
 from .layout import DTYPES as _DTYPES
@@ -130,7 +131,9 @@ class CompressedKVCache(_BaseCache):
     def encode_tokens(self, keys: mx.array, values: mx.array) -> tuple:
         """The encoded parts of these tokens as the buffer stores them."""
         if self.joint:
-            parts = self.key_codec.encode(mx.concatenate([keys, values], axis=1))
+            parts = cuda_encode.encode_joint(self.key_codec, keys, values) if self.attention.cuda_kernel else None
+            if parts is None:
+                parts = self.key_codec.encode(mx.concatenate([keys, values], axis=1))
             self._n_key_parts = len(parts)
             return parts
         ek = self.key_codec.encode(keys)

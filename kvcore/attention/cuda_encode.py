@@ -1,0 +1,169 @@
+"""A decode step's K/V encoding in one CUDA launch: affine quantization of the new tokens' keys and
+values straight from the model's dtype into joint storage's (words, scales, biases).
+
+The portable encode of a joint step is a concatenation, a float16 cast and `mx.quantize` (and at 8
+bits a min, a max and two compiled passes); each is a node MLX encodes on the host, and a decode
+step is host-bound on CUDA (benchmarks: about 10 us of host time per node). This kernel is one node
+with the same results bit for bit (each plan is compared with the portable encode on the device
+the first time it is asked for, and refused where it differs):
+- below 8 bits, MLX's affine quantize: scale from the group's min and max in float32, the edge value
+  made exact, codes rounded for the float32 scale and bias, both then stored as float16; a bfloat16
+  input is rounded to float16 first, as `AffineCodec` does;
+- at 8 bits, `_quantize8`: scale (max - min) / 255 and bias min stored as float16, codes rounded
+  (half to even) for the stored values.
+Words are the little-endian bit stream of the codes (element d at bits [d * bits, (d + 1) * bits)).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..backend import backend_name
+
+SOURCE = r"""
+  constexpr int NB = (1 << BITS) - 1;
+  constexpr int NG = D / G, GW = G * BITS / 32, WPR = D * BITS / 32;
+  const int H = k_shape[1], T = k_shape[2];
+  const int total = k_shape[0] * 2 * H * T * NG;
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= total) return;
+  const int g = i % NG;
+  int r = i / NG;
+  const int t = r % T; r /= T;
+  const int hh = r % (2 * H), b = r / (2 * H);
+  const bool isv = hh >= H;
+  const int h = isv ? hh - H : hh;
+  const long long base = isv ? b * v_strides[0] + h * v_strides[1] + t * v_strides[2]
+                             : b * k_strides[0] + h * k_strides[1] + t * k_strides[2];
+  const long long step = isv ? v_strides[3] : k_strides[3];
+  float x[G];
+  float lo = 3.402823466e38f, hi = BITS == 8 ? -3.402823466e38f : 0.f;  // MLX's CUDA quantize starts its max at 0
+#pragma unroll
+  for (int e = 0; e < G; e++) {
+    float val = static_cast<float>(isv ? v[base + (g * G + e) * step] : k[base + (g * G + e) * step]);
+    if constexpr (PRE16) val = __half2float(__float2half_rn(val));
+    x[e] = val;
+    lo = fminf(lo, val);
+    hi = fmaxf(hi, val);
+  }
+  float scale, bias;
+  if constexpr (BITS == 8) {
+    const __half s16 = __float2half_rn(fmaxf((hi - lo) / 255.f, 1e-7f)), b16 = __float2half_rn(lo);
+    scale = __half2float(s16);
+    bias = __half2float(b16);
+    s_out[(long long)i] = s16;
+    b_out[(long long)i] = b16;
+  } else {
+    scale = fmaxf((hi - lo) / (float)NB, 1e-7f);
+    const bool side = fabsf(lo) > fabsf(hi);
+    scale = side ? scale : -scale;
+    const float edge = side ? lo : hi;
+    const float q0 = roundf(edge / scale);
+    const bool at_zero = q0 == 0.0f;
+    scale = at_zero ? scale : edge / q0;
+    bias = at_zero ? 0.f : edge;
+    s_out[(long long)i] = __float2half_rn(scale);
+    b_out[(long long)i] = __float2half_rn(bias);
+  }
+  uint32_t* wo = w_out + ((long long)(b * 2 * H + hh) * T + t) * WPR + g * GW;
+  unsigned long long acc = 0ull;
+  int nb = 0, wi = 0;
+#pragma unroll
+  for (int e = 0; e < G; e++) {
+    uint32_t c;
+    if constexpr (BITS == 8) c = (uint32_t)fminf(fmaxf(rintf((x[e] - bias) / scale), 0.f), 255.f);
+    else c = (uint32_t)fminf(roundf((x[e] - bias) / scale), (float)NB);
+    acc |= (unsigned long long)c << nb;
+    nb += BITS;
+    if (nb >= 32) {
+      wo[wi++] = (uint32_t)acc;
+      acc >>= 32;
+      nb -= 32;
+    }
+  }
+"""
+
+_KERNEL: list = []
+_VERDICTS: dict = {}  # (bits, group, dim, dtype name) -> None (admitted) or why not
+THREADS = 128
+DTYPES = (mx.bfloat16, mx.float16, mx.float32)
+
+
+def _kernel():
+    if not _KERNEL:
+        from .cuda_source import compact
+
+        _KERNEL.append(mx.fast.cuda_kernel(name="mlxkv_encode", input_names=["k", "v"],
+                                           output_names=["w_out", "s_out", "b_out"], source=compact(SOURCE),
+                                           ensure_row_contiguous=False))
+    return _KERNEL[0]
+
+
+def launch(keys: mx.array, values: mx.array, bits: int, group: int) -> tuple[mx.array, mx.array, mx.array]:
+    """keys, values (B, H, T, D) -> joint (B, 2H, T, D*bits/32) uint32 words, (B, 2H, T, D/group)
+    float16 scales and biases (keys' heads first)."""
+    B, H, T, D = keys.shape
+    total = B * 2 * H * T * (D // group)
+    return tuple(_kernel()(
+        inputs=[keys, values],
+        template=[("BITS", bits), ("G", group), ("D", D), ("PRE16", keys.dtype == mx.bfloat16 and bits != 8)],
+        grid=(total, 1, 1), threadgroup=(min(THREADS, total), 1, 1),
+        output_shapes=[(B, 2 * H, T, D * bits // 32), (B, 2 * H, T, D // group), (B, 2 * H, T, D // group)],
+        output_dtypes=[mx.uint32, mx.float16, mx.float16],
+    ))
+
+
+def covers(codec, keys: mx.array, values: mx.array) -> bool:
+    """Whether this launch encodes these tokens for this codec here (CUDA, affine channel layout)."""
+    from ..codecs.affine import AffineCodec
+
+    if backend_name() != "cuda" or type(codec) is not AffineCodec or codec.layout != "channel":
+        return False
+    if keys.dtype != values.dtype or keys.dtype not in DTYPES or keys.shape != values.shape:
+        return False
+    return admitted(codec.bits, codec.group, keys.shape[-1], keys.dtype)
+
+
+def encode_joint(codec, keys: mx.array, values: mx.array) -> tuple | None:
+    """The joint parts of these tokens, as `codec.encode(concat([keys, values], axis=1))` gives
+    them, in one launch; None where the launch does not serve (the portable encode then does)."""
+    if not covers(codec, keys, values):
+        return None
+    return launch(keys, values, codec.bits, codec.group)
+
+
+def admitted(bits: int, group: int, dim: int, dtype) -> bool:
+    key = (bits, group, dim, str(dtype))
+    if key not in _VERDICTS:
+        try:
+            _VERDICTS[key] = check(bits, group, dim, dtype)
+        except Exception as e:  # noqa: BLE001 - a kernel that cannot build or run here: the portable encode serves
+            _VERDICTS[key] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    return _VERDICTS[key] is None
+
+
+def check(bits: int, group: int, dim: int, dtype) -> str | None:
+    """None when the launch equals the portable encode bit for bit on random tokens (with constant,
+    zero, one-sided and large-valued groups), else what differs."""
+    from ..codecs import CodecSpec
+    from ..codecs.affine import AffineCodec
+
+    codec = AffineCodec(CodecSpec("affine", bits, group), dim)
+    key = mx.random.key(bits * 1000 + group + dim)
+    r = mx.random.normal((2, 3, 7, 2 * dim), key=key) * mx.array([1.0, 0.01, 30.0])[None, :, None, None]
+    rows = [r[:, :, :2], mx.zeros_like(r[:, :, :1]), mx.abs(r[:, :, 3:4]), r[:, :, 4:5] + 5, r[:, :, 5:6] - 5,
+            mx.full(r[:, :, :1].shape, 0.75)]  # zero, one-sided, shifted and constant groups
+    x = mx.concatenate(rows, axis=2).astype(dtype)
+    k, v = x[..., :dim], x[..., dim:]  # strided views, as the model's transposed heads are
+    got = launch(k, v, bits, group)
+    want = codec.encode(mx.concatenate([k, v], axis=1))
+    mx.eval(got, want)
+    names = ("words", "scales", "biases")
+    bad = [n for n, a, b in zip(names, got, want) if a.shape != b.shape or a.dtype != b.dtype
+           or not mx.array_equal(a.view(mx.uint16) if a.dtype == mx.float16 else a,
+                                 b.view(mx.uint16) if b.dtype == mx.float16 else b).item()]
+    return f"the encode kernel's {', '.join(bad)} differ from the portable encode" if bad else None
+
+
+def status() -> dict:
+    return {f"affine{b}/g{g} d{d} {t}": why for (b, g, d, t), why in _VERDICTS.items()}
