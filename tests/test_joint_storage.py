@@ -16,6 +16,7 @@ import pytest
 
 from kvcore.attention.config import AttentionConfig
 from kvcore.attention.hook import _sdpa
+from kvcore.backend import backend_name
 from kvcore.cache import CompressedKVCache
 from kvcore.codecs import CodecSpec
 from kvcore.codecs.affine import AffineCodec
@@ -93,6 +94,9 @@ def test_a_decode_step_writes_each_encoded_part_once(dtype):
     mx.eval(c.enc.parts, k, v)
     c.update_and_fetch(k, v)
     ops = _primitives(c.enc.parts)
+    if backend_name() == "cuda":  # kvcore.attention.cuda_encode: the encode is one launch, then the writes
+        assert ops == Counter({"CustomKernel": 1, "SliceUpdate": 3}), ops
+        return
     assert ops["Quantize"] == 1 and ops["SliceUpdate"] == 3 and ops["Concatenate"] == 1
     assert ops["AsType"] == (1 if dtype == mx.bfloat16 else 2)
     assert sum(ops.values()) == ops["Quantize"] + ops["SliceUpdate"] + ops["Concatenate"] + ops["AsType"]

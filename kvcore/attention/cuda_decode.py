@@ -315,9 +315,11 @@ def merge(q: mx.array, parts: list, rep: int, value_dim: int, sinks: mx.array | 
     )[0]
 
 
-def fusable(plan: Plan, B: int, heads: int) -> bool:
-    """Whether one launch merges its own splits (its counters fit a slot of the ring)."""
-    return B * heads * plan.nqc <= SLOT
+def fusable(plan: Plan, B: int, heads: int, columns: int) -> bool:
+    """Whether one launch merges its own splits (its counters fit a slot of the ring, the split
+    weights its shared memory)."""
+    nsplit = _geometry(plan, B, heads, -(-columns // plan.tile))[1]
+    return B * heads * plan.nqc <= SLOT and plan.merges_in_launch(nsplit)
 
 
 def attend(q: mx.array, launches: list[Launch] | None, heads: int, scale: float, sinks) -> mx.array | None:
@@ -332,7 +334,7 @@ def attend(q: mx.array, launches: list[Launch] | None, heads: int, scale: float,
     plans = [plan_for(L.key, L.value, rep, N) for L in launches]
     if any(not admitted(p, q.dtype) for p in plans) or len({p.value.dim for p in plans}) > 1:
         return None
-    if len(launches) == 1 and fusable(plans[0], B, heads):
+    if len(launches) == 1 and fusable(plans[0], B, heads, launches[0].columns):
         return partials(q, launches[0], plans[0], scale, heads, sinks=sinks, fused=True)[3]
     parts = [partials(q, L, p, scale, heads) for L, p in zip(launches, plans)]
     return merge(q, parts, rep, plans[0].value.dim, sinks)

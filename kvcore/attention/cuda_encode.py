@@ -22,8 +22,8 @@ from ..backend import backend_name
 
 SOURCE = r"""
   constexpr int NB = (1 << BITS) - 1;
-  constexpr int NG = D / G, GW = G * BITS / 32, WPR = D * BITS / 32;
-  const int H = k_shape[1], T = k_shape[2];
+  constexpr int GW = G * BITS / 32;
+  const int H = k_shape[1], T = k_shape[2], D = k_shape[3], NG = D / G, WPR = D * BITS / 32;
   const int total = k_shape[0] * 2 * H * T * NG;
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= total) return;
@@ -106,7 +106,7 @@ def launch(keys: mx.array, values: mx.array, bits: int, group: int) -> tuple[mx.
     total = B * 2 * H * T * (D // group)
     return tuple(_kernel()(
         inputs=[keys, values],
-        template=[("BITS", bits), ("G", group), ("D", D), ("PRE16", keys.dtype == mx.bfloat16 and bits != 8)],
+        template=[("BITS", bits), ("G", group), ("PRE16", keys.dtype == mx.bfloat16 and bits != 8)],
         grid=(total, 1, 1), threadgroup=(min(THREADS, total), 1, 1),
         output_shapes=[(B, 2 * H, T, D * bits // 32), (B, 2 * H, T, D // group), (B, 2 * H, T, D // group)],
         output_dtypes=[mx.uint32, mx.float16, mx.float16],

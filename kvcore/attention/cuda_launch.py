@@ -169,6 +169,11 @@ class Plan:
     def smem(self) -> int:
         return self.layout["TOTAL"]
 
+    def merges_in_launch(self, nsplit: int) -> bool:
+        """Whether the launch's last block can merge `nsplit` splits itself: their weights and the
+        denominators (QVB x (nsplit + 1) floats) fit the shared memory after the tiles."""
+        return self.qvb * (nsplit + 1) * 4 <= self.smem - self.layout["KT"] and self.value.dim % 4 == 0
+
     def why_not(self) -> str | None:
         """None when the kernel covers this plan, else why not."""
         if self.value.dim % self.ve or THREADS % self.tpr or self.tpr > THREADS:

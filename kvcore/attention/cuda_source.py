@@ -337,22 +337,48 @@ SOURCE = r"""
     __syncthreads();
     if (!last) return;
     __threadfence();
+    // the merge, all threads: a warp per query vector for the splits' weights and the denominator,
+    // then four output channels per thread (float4 reads of the partial outputs across splits)
     const long long base = (long long)(b * gridDim.y + h) * NSPLIT * QVT;
     const int HQ = gridDim.y * REP;
-    for (int i = tid; i < QVB * DV; i += THREADS) {
-      const int v = qc * QVB + i / DV, d = i % DV, hq = h * REP + v / NQ, n = v % NQ;
+    float* ws = scratch;                   // [QVB][NSPLIT] weights e^(m_s - M)
+    float* dens = scratch + QVB * NSPLIT;  // [QVB]
+    for (int vl = warp; vl < QVB; vl += NWARP) {
+      const int v = qc * QVB + vl;
       float M = NEG;
-      for (int s = 0; s < NSPLIT; s++) M = fmaxf(M, __ldcg(m_out + base + (long long)s * QVT + v));
+      for (int s = lane; s < NSPLIT; s += 32) M = fmaxf(M, __ldcg(m_out + base + (long long)s * QVT + v));
+      M = warp_max(M);
       float sk = 0.f;
-      if constexpr (HAS_SINK) { sk = sinks[hq]; M = fmaxf(M, sk); }
-      float den = HAS_SINK ? __expf(sk - M) : 0.f, num = 0.f;
-      for (int s = 0; s < NSPLIT; s++) {
+      if constexpr (HAS_SINK) { sk = sinks[h * REP + v / NQ]; M = fmaxf(M, sk); }
+      float den = 0.f;
+      for (int s = lane; s < NSPLIT; s += 32) {
         const long long o = base + (long long)s * QVT + v;
         const float w = __expf(__ldcg(m_out + o) - M);
+        ws[vl * NSPLIT + s] = w;
         den = fmaf(w, __ldcg(l_out + o), den);
-        num = fmaf(w, __ldcg(acc_out + o * DV + d), num);
       }
-      out[(((long long)b * HQ + hq) * NQ + n) * DV + d] = static_cast<OT>(den > 0.f ? num / den : 0.f);
+      den = warp_sum(den);
+      if (lane == 0) dens[vl] = HAS_SINK ? den + __expf(sk - M) : den;
+    }
+    __syncthreads();
+    constexpr int D4 = DV / 4;
+    for (int i = tid; i < QVB * D4; i += THREADS) {
+      const int vl = i / D4, d4 = i % D4, v = qc * QVB + vl, hq = h * REP + v / NQ, n = v % NQ;
+      const float* wv = ws + vl * NSPLIT;
+      float4 num = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 8
+      for (int s = 0; s < NSPLIT; s++) {
+        const float w = wv[s];
+        const float4 a = __ldcg(reinterpret_cast<const float4*>(acc_out + (base + (long long)s * QVT + v) * DV) + d4);
+        num.x = fmaf(w, a.x, num.x); num.y = fmaf(w, a.y, num.y);
+        num.z = fmaf(w, a.z, num.z); num.w = fmaf(w, a.w, num.w);
+      }
+      const float den = dens[vl];
+      OT* o = out + (((long long)b * HQ + hq) * NQ + n) * DV + d4 * 4;
+      o[0] = static_cast<OT>(den > 0.f ? num.x / den : 0.f);
+      o[1] = static_cast<OT>(den > 0.f ? num.y / den : 0.f);
+      o[2] = static_cast<OT>(den > 0.f ? num.z / den : 0.f);
+      o[3] = static_cast<OT>(den > 0.f ? num.w / den : 0.f);
     }
     if (tid == 0) *counter = 0;
   }
