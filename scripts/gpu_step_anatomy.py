@@ -14,6 +14,7 @@ affine4 (portable attention), affine4-kernel (the CUDA decode kernel, forced).
 Also (`--micro`): host microseconds per custom-kernel call and per plain op, to price a launch.
 
     python scripts/gpu_step_anatomy.py [--shape llama-8b] [--contexts 512,32768] [--steps 24] [--micro]
+        [--profile affine4-kernel]
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def caches_for(model, kind: str):
     return build_caches(model, scheme_policy(scheme), att)[0]
 
 
-def anatomy(model, cfg, kind: str, ctx: int, steps: int) -> dict:
+def anatomy(model, cfg, kind: str, ctx: int, steps: int, profile: bool = False) -> dict:
     caches = fill(caches_for(model, kind), ctx, cfg["num_key_value_heads"], cfg["head_dim"], mx.bfloat16)
 
     def step(tok):
@@ -60,6 +61,12 @@ def anatomy(model, cfg, kind: str, ctx: int, steps: int) -> dict:
         mx.eval(y)
     build = encode = 0.0
     mx.synchronize()
+    prof = None
+    if profile:
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
     t0 = time.perf_counter()
     y = step(y)
     mx.async_eval(y)
@@ -74,6 +81,14 @@ def anatomy(model, cfg, kind: str, ctx: int, steps: int) -> dict:
         y = nxt
     y.item()
     wall = (time.perf_counter() - t0) / (steps + 1)
+    if prof is not None:
+        import io
+        import pstats
+
+        prof.disable()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+        print(f"== host profile of {kind} at {ctx} ({steps} steps)\n" + text.getvalue(), flush=True)
     t0 = time.perf_counter()
     for _ in range(steps // 2):
         y = step(y)
@@ -116,6 +131,7 @@ def main() -> None:
     ap.add_argument("--kinds", default="mlx-lm,full,affine4,affine4-kernel")
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--micro", action="store_true")
+    ap.add_argument("--profile", default="", help="a kind whose host time is profiled (cProfile, printed)")
     a = ap.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     out = []
@@ -131,6 +147,8 @@ def main() -> None:
         for kind in a.kinds.split(","):
             try:
                 r = anatomy(model, cfg, kind, ctx, a.steps)
+                if kind == a.profile:
+                    anatomy(model, cfg, kind, ctx, a.steps, profile=True)
             except Exception as e:  # noqa: BLE001 - a failing kind is a result
                 r = {"kind": kind, "context": ctx, "error": f"{type(e).__name__}: {str(e)[:160]}"}
             r["env"] = {k: v for k, v in os.environ.items() if k.startswith("MLX_")}

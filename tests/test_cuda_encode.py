@@ -73,6 +73,6 @@ def test_the_kernel_merging_its_splits_equals_the_two_launches(plan, q_dtype):
                             plan.value.dim, sinks)
     for _ in range(3):  # the counters are left at zero for the next launch: the same answer again
         one = cuda_decode.partials(q, launch, plan, scale, 2, split, sinks=sinks, fused=True)[3]
-        assert relative_error(one, two) < 1e-6
+        assert relative_error(one, two) < (1e-6 if q_dtype == mx.float32 else 4e-3)  # bfloat16: an ulp at most
     assert relative_error(one, ref) < {mx.float32: 1e-4, mx.bfloat16: 1.5e-2}[q_dtype]
     assert not mx.any(cuda_decode._counters()).item()

@@ -133,7 +133,7 @@ def encode_joint(codec, keys: mx.array, values: mx.array) -> tuple | None:
 
 
 def admitted(bits: int, group: int, dim: int, dtype) -> bool:
-    key = (bits, group, dim, str(dtype))
+    key = (bits, group, dim, dtype)
     if key not in _VERDICTS:
         try:
             _VERDICTS[key] = check(bits, group, dim, dtype)
@@ -166,4 +166,4 @@ def check(bits: int, group: int, dim: int, dtype) -> str | None:
 
 
 def status() -> dict:
-    return {f"affine{b}/g{g} d{d} {t}": why for (b, g, d, t), why in _VERDICTS.items()}
+    return {f"affine{b}/g{g} d{d} {str(t).rsplit('.', 1)[-1]}": why for (b, g, d, t), why in _VERDICTS.items()}

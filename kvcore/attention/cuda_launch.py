@@ -54,6 +54,13 @@ class Side:
         if self.dim % self.group or (self.dim * self.bits) % 32:
             raise ValueError(f"dim {self.dim} does not fill whole groups of {self.group} / 32-bit words")
 
+    def __hash__(self) -> int:  # hashed on every launch (plan caches): computed once
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.kind, self.bits, self.group, self.dim, self.dtype))
+            object.__setattr__(self, "_hash", h)
+        return h
+
     @classmethod
     def dense(cls, dtype: str, dim: int) -> Side:
         return cls("dense", DENSE_TYPES[dtype][0], dim, dim, dtype)
@@ -100,36 +107,43 @@ class Plan:
     rep: int  # query heads per KV head
     n_queries: int
 
+    def __hash__(self) -> int:
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.key, self.value, self.rep, self.n_queries))
+            object.__setattr__(self, "_hash", h)
+        return h
+
     def __post_init__(self):
         if not 1 <= self.n_queries <= MAX_QUERIES:
             raise ValueError(f"the kernel takes 1..{MAX_QUERIES} queries, got {self.n_queries}")
 
-    @property
+    @cached_property
     def qv(self) -> int:
         return self.rep * self.n_queries  # query vectors per KV head: v = r * n_queries + n
 
-    @property
+    @cached_property
     def qvb(self) -> int:
         return vectors_per_block(self.qv)
 
-    @property
+    @cached_property
     def nqc(self) -> int:
         return self.qv // self.qvb
 
-    @property
+    @cached_property
     def qvp(self) -> int:
         return _ceil(self.qvb, 4) * 4  # padded for float4 reads
 
-    @property
+    @cached_property
     def ve(self) -> int:
         """Value elements per thread in the value phase."""
         return 8 if self.qvb <= 4 else 4
 
-    @property
+    @cached_property
     def tpr(self) -> int:
         return self.value.dim // self.ve  # threads per value row
 
-    @property
+    @cached_property
     def ts(self) -> int:
         return THREADS // self.tpr  # token subsets in the value phase
 
