@@ -15,6 +15,7 @@ block: THREADS threads, `tile` tokens per tile, split = CHUNK tokens (a multiple
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -23,7 +24,7 @@ TILES = (128, 64, 32)  # tokens per tile (one token per thread in the score phas
 WARPS = THREADS // 32
 MAX_QUERIES = 8  # decode and speculative verify
 MAX_VECTORS = 8  # query vectors (heads x queries) one block holds in registers
-TARGET_BLOCKS = 4 * 132  # about four blocks per SM of an H200 (132 SMs)
+TARGET_BLOCKS = int(os.environ.get("MLXKV_CUDA_TARGET_BLOCKS", 4 * 132))  # ~4 blocks per SM of an H200 (132 SMs)
 MAX_SMEM = 100 * 1024  # bytes; more would leave one block per SM
 BIG = 2**30  # "no bound" in the per-row token bounds
 KINDS = {"dense": 0, "affine": 1, "turbo": 2}
