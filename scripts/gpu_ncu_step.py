@@ -14,7 +14,7 @@ from pathlib import Path
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpu_profile_step as g  # noqa: E402
+import gpu_profile_step as g
 
 
 def main() -> None:

@@ -30,12 +30,12 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_bench import fill  # noqa: E402
+from gpu_bench import fill
 
-from kvcore.attention.config import AttentionConfig  # noqa: E402
-from kvcore.bench.grid import scheme_policy  # noqa: E402
-from kvcore.bench.shapes import build_random_model  # noqa: E402
-from kvcore.policy import build_caches  # noqa: E402
+from kvcore.attention.config import AttentionConfig
+from kvcore.bench.grid import scheme_policy
+from kvcore.bench.shapes import build_random_model
+from kvcore.policy import build_caches
 
 OUT = Path(os.environ.get("OUT", "gpu-out"))
 

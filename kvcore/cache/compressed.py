@@ -21,10 +21,10 @@ import json
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
 
+from ..attention import cuda_encode
 from ..attention.config import DEFAULT as DEFAULT_ATTENTION
 from ..attention.config import AttentionConfig, AttentionStats
 from ..codecs import CodecSpec, make_codec
-from ..attention import cuda_encode
 from . import rollback
 from .buffer import STEP, Buffer
 from .layout import DTYPES as _DTYPES
@@ -302,6 +302,19 @@ class CompressedKVCache(_BaseCache):
             self._fill()
 
     @classmethod
+    def from_dense(cls, key_spec: CodecSpec, value_spec: CodecSpec, offset: int, dims: tuple, sink=None, rest=None,
+                   window: int | None = None, keep: int = 0, recent: int = 0, stored_from: int = 0):
+        """A cache holding dense tokens not yet converted: `sink` (k, v) at [0, n), `rest` (k, v) at
+        [stored_from, offset), dims (B, H, D, Dv, dtype); `convert()` then encodes them."""
+        c = cls(key_spec, value_spec, offset, window, keep, recent=recent)
+        c._configure(dims)
+        for buf, kv in ((c.sink, sink), (c.tail, rest)):
+            if kv is not None:
+                buf.set(tuple(kv))
+        c.offset, c.enc_start, c.tail_start = offset, stored_from, stored_from
+        return c
+
+    @classmethod
     def from_state(cls, state, meta_state):
         obj = cls.__new__(cls)
         obj.meta_state = meta_state
@@ -322,7 +335,7 @@ class CompressedKVCache(_BaseCache):
 
     def set_layout(self, m: dict) -> None:
         """Reset to the (validated) layout `m`; the arrays come through `state` (before or after)."""
-        spec = lambda d: CodecSpec(d["codec"], d["bits"], d["group_size"])  # noqa: E731
+        spec = lambda d: CodecSpec(d["codec"], d["bits"], d["group_size"])
         loaded = getattr(self, "_loaded", None)
         attention, stats = getattr(self, "attention", DEFAULT_ATTENTION), getattr(self, "stats", None)
         self.__init__(spec(m["key"]), spec(m["value"]), m["start"] or 0, m["window"], m["keep"],

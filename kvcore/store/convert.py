@@ -8,7 +8,6 @@ are copied. With a target that compresses nothing, mlx-lm caches stay as they ar
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..cache import CompressedKVCache
+from ..cache.layout import DTYPES
 from ..codecs import CodecSpec, make_codec
 from ..errors import MlxkvError
 from ..policy import KVPolicy
@@ -91,16 +91,8 @@ def _rebuild(i: int, e: dict, parts: list, spec: CodecSpec, value_spec: CodecSpe
     window, keep = _window(e)
     offset = e["offset"]
     stored_from = max(stored_from, keep) if window else 0
-    value_spec = value_spec or spec
-    on = spec.compresses or value_spec.compresses
-    layout = {
-        "key": spec.to_json(), "value": value_spec.to_json(), "start": offset if on else None,
-        "recent": recent if on else 0,
-        "window": window, "keep": keep, "offset": offset, "converted": False,
-        "enc_start": stored_from, "tail_start": stored_from, "sink": sink[0].shape[2] if sink else 0,
-        "enc": 0, "tail": rest[0].shape[2] if rest else 0, "key_parts": None, "dims": e["dims"], "dtype": e["dtype"],
-    }
-    c = CompressedKVCache.from_state((*(sink or ()), *(rest or ())), (json.dumps(layout),))
+    dims = (*e["dims"], DTYPES[e["dtype"]])
+    c = CompressedKVCache.from_dense(spec, value_spec or spec, offset, dims, sink, rest, window, keep, recent, stored_from)
     bt = c.block_tokens
     if window and (stored_from - keep) % bt:
         raise MlxkvError(f"layer {i}: a wrapped mlx-lm sliding window cannot take a codec that groups {bt} "
