@@ -199,9 +199,21 @@ def packed_launches(q: mx.array, view) -> list[Launch] | None:
                    view.rotation is not None)
     if sides is None:
         return None
-    qs = view.q_start.astype(mx.int32)
-    rows = mx.stack([mx.full(qs.shape, -BIG, dtype=mx.int32), qs + 1, qs + view.n_queries], axis=1)
-    return [Launch(*sides, rows, view.key_parts[0].shape[2], vh)]
+    return [Launch(*sides, _packed_rows(view.q_start, view.n_queries), view.key_parts[0].shape[2], vh)]
+
+
+_PACKED: dict = {}
+
+
+def _packed_rows(q_start: mx.array, n_queries: int) -> mx.array:
+    """(B, 3) bounds (-BIG, q + 1, q + N) of packed rows, made once per step: every layer of a
+    batch shares its q_start array (cache.packed.device_lengths), and each op is a host-encoded node."""
+    key = (id(q_start), n_queries)
+    if _PACKED.get("key") != key or _PACKED.get("of") is not q_start:
+        qs = q_start.astype(mx.int32)
+        rows = mx.stack([mx.full(qs.shape, -BIG, dtype=mx.int32), qs + 1, qs + n_queries], axis=1)
+        _PACKED.update(key=key, of=q_start, rows=rows)
+    return _PACKED["rows"]
 
 
 @cache

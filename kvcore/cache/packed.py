@@ -34,6 +34,16 @@ def device_lengths(lengths: list[int]) -> mx.array:
     return _LAST["array"]
 
 
+def write_index(q_start: mx.array, N: int) -> mx.array:
+    """(B, 1, N) columns the step's N tokens go to, made once for all the layers of a step (they
+    share `device_lengths`' array): each op is a node MLX encodes on the host, per layer otherwise."""
+    key = (id(q_start), N)
+    if _LAST.get("index_key") != key or _LAST.get("index_of") is not q_start:
+        idx = (q_start[:, None] + mx.arange(N)[None]).reshape(q_start.shape[0], 1, N)
+        _LAST["index_key"], _LAST["index_of"], _LAST["index"] = key, q_start, idx
+    return _LAST["index"]
+
+
 def packable(row: CompressedKVCache) -> bool:
     if row.window is not None or row.shape_layout is None or row.sink.n or row.enc_start != 0:
         return False
@@ -144,7 +154,7 @@ class PackedRows:
             self.parts = tuple(mx.pad(p, [(0, 0), (0, 0), (0, grow)] + [(0, 0)] * (p.ndim - 3))
                                for p in self.parts)
         q_start = device_lengths(self.lengths)
-        idx = (q_start[:, None] + mx.arange(N)[None]).reshape(B, 1, N)  # (B, 1, N)
+        idx = write_index(q_start, N)  # (B, 1, N)
         out = []
         for p, v in zip(self.parts, new):
             i = idx.reshape(B, 1, N, *([1] * (p.ndim - 3)))
