@@ -199,7 +199,7 @@ def packed_launches(q: mx.array, view) -> list[Launch] | None:
                    view.rotation is not None)
     if sides is None:
         return None
-    return [Launch(*sides, _packed_rows(view.q_start, view.n_queries), view.key_parts[0].shape[2], vh)]
+    return [Launch(*sides, _packed_rows(view.q_start, view.n_queries), view.capacity, vh)]
 
 
 _PACKED: dict = {}

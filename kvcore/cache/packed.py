@@ -61,8 +61,8 @@ def _signature(row: CompressedKVCache):
 class PackedView:
     """What a packed layer hands to attention: decoded on demand, masked by row lengths."""
 
-    key_parts: tuple
-    value_parts: tuple
+    _key_parts: tuple | None  # None with `joint`: its K and V halves, made when first asked for
+    _value_parts: tuple | None
     key_codec: object
     value_codec: object
     q_start: mx.array  # (B,) position of each row's first query
@@ -78,8 +78,24 @@ class PackedView:
     joint: Joint | None = None  # K and V in one set of arrays (key_parts, value_parts: views of it)
 
     @property
+    def key_parts(self) -> tuple:
+        if self._key_parts is None:  # joint storage: the halves are views, built only if a path reads them
+            self._key_parts, self._value_parts = self.joint.halves(self.joint.capacity)
+        return self._key_parts
+
+    @property
+    def value_parts(self) -> tuple:
+        self.key_parts  # noqa: B018 - makes both halves
+        return self._value_parts
+
+    @property
+    def capacity(self) -> int:
+        return self.joint.capacity if self.joint is not None else self._key_parts[0].shape[2]
+
+    @property
     def shape(self):
-        return (self.key_parts[0].shape[0], self.heads, self.length, self.head_dim)
+        arrays = self.joint.arrays if self.joint is not None else self._key_parts
+        return (arrays[0].shape[0], self.heads, self.length, self.head_dim)
 
     def dense(self, lo: int, hi: int, dtype) -> tuple[mx.array, mx.array]:
         if self.joint is not None and self.rotation is None:  # one decode call reads K and V
@@ -164,7 +180,7 @@ class PackedRows:
         L = max(self.lengths)
         joint = Joint(self.parts, H) if t.joint else None
         if joint is not None:
-            kp, vp = joint.halves(joint.capacity)
+            kp = vp = None  # PackedView makes the halves if a path asks for them (the kernel reads `joint`)
         else:
             nk = t.shape_layout.key_parts or 1 if t.key_codec is not None else 1
             kp, vp = self.parts[:nk], self.parts[nk:]
