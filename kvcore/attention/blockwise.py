@@ -49,14 +49,14 @@ def kv_attention(q: mx.array, view: KVView, scale: float, sinks: mx.array | None
     """q: (B, Hq, N, D) -> (B, Hq, N, Dv), attending over the view's stored tokens; `config`
     (default: the one the view carries) picks the path."""
     cfg, stats = _setup(view, config)
-    kv, sc = _sizes(q, view)
-    segs = view.segments
-    one_encoded = cfg.accelerated and len(segs) == 1 and segs[0].kind == ENCODED and view.window is None
     kernel = cfg.accelerated and cfg.cuda_kernel and q.shape[0] * view.shape[2] >= cfg.cuda_min_tokens
     out = cuda_decode.view_attention(q, view, scale, sinks) if kernel else None
     if out is not None:
         _count(stats, "cuda-kernel")
         return out
+    kv, sc = _sizes(q, view)
+    segs = view.segments
+    one_encoded = cfg.accelerated and len(segs) == 1 and segs[0].kind == ENCODED and view.window is None
     if one_encoded and cfg.qmm and qmm.applies(q, segs[0].key_codec, segs[0].value_codec, False):
         _count(stats, "qmm")
         mask = None if view.n_queries == 1 else segs[0].visible(view.q_positions, 0, segs[0].length, None, 0)
