@@ -38,7 +38,7 @@ SAME = "A big cat sat on the mat and"  # asked under every adapter, one after an
 def setup(tiny_models, tmp_path_factory):
     root = tmp_path_factory.mktemp("serve-adapters")
     m = tiny_models("llama")
-    one = make_adapter(m, root / "one", seed=0)
+    one = make_adapter(m, root / "one", seed=2)
     two = make_adapter(m, root / "two", rank=2, seed=1, keys=["self_attn.v_proj", "mlp.down_proj"])
     return str(m), {"one": str(one), "two": str(two)}, root
 
