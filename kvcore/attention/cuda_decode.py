@@ -24,6 +24,7 @@ from functools import cache
 import mlx.core as mx
 
 from ..backend import backend_name
+from ..cache.packed import per_step
 from ..cache.view import DENSE, ENCODED
 from ..codecs import CodecSpec
 from ..codecs.affine import AffineCodec
@@ -202,18 +203,13 @@ def packed_launches(q: mx.array, view) -> list[Launch] | None:
     return [Launch(*sides, _packed_rows(view.q_start, view.n_queries), view.capacity, vh)]
 
 
-_PACKED: dict = {}
-
-
 def _packed_rows(q_start: mx.array, n_queries: int) -> mx.array:
-    """(B, 3) bounds (-BIG, q + 1, q + N) of packed rows, made once per step: every layer of a
-    batch shares its q_start array (cache.packed.device_lengths), and each op is a host-encoded node."""
-    key = (id(q_start), n_queries)
-    if _PACKED.get("key") != key or _PACKED.get("of") is not q_start:
+    """(B, 3) bounds (-BIG, q + 1, q + N) of packed rows, made once per step (cache.packed.per_step)."""
+    def make():
         qs = q_start.astype(mx.int32)
-        rows = mx.stack([mx.full(qs.shape, -BIG, dtype=mx.int32), qs + 1, qs + n_queries], axis=1)
-        _PACKED.update(key=key, of=q_start, rows=rows)
-    return _PACKED["rows"]
+        return mx.stack([mx.full(qs.shape, -BIG, dtype=mx.int32), qs + 1, qs + n_queries], axis=1)
+
+    return per_step("kernel rows", q_start, n_queries, make)
 
 
 @cache
@@ -289,6 +285,11 @@ def _geometry(plan: Plan, B: int, heads: int, columns_tiles: int) -> tuple:
     return chunk, nsplit, plan.grid(nsplit, heads, B), plan.partial_shapes(B, heads, nsplit)
 
 
+def _sinks(sinks: mx.array | None) -> mx.array:
+    """The sinks' logits as the kernels read them: float32 (Hq,), a dummy when there are none."""
+    return _dummy(mx.float32) if sinks is None else sinks.astype(mx.float32).reshape(-1)
+
+
 def _scale(scale: float) -> mx.array:
     return _const(("scale", scale), lambda: mx.array([scale], dtype=mx.float32))
 
@@ -303,7 +304,7 @@ def partials(q: mx.array, launch: Launch, plan: Plan, scale: float, heads: int, 
     else:
         (chunk, nsplit), grid, shapes = split, plan.grid(split[1], heads, B), plan.partial_shapes(B, heads, split[1])
     base = _next_slot() if fused else 0
-    sk = _dummy(mx.float32) if sinks is None else sinks.astype(mx.float32).reshape(-1)
+    sk = _sinks(sinks)
     return _kernel(plan, fused, sinks is not None, q.dtype)(
         inputs=[q, *launch.k_arrays, *launch.v_arrays, launch.k_book, launch.v_book, launch.rows,
                 _ints(chunk, nsplit, launch.v_head), _scale(scale),
@@ -318,7 +319,7 @@ def merge(q: mx.array, parts: list, rep: int, value_dim: int, sinks: mx.array | 
     """Combine the splits of every launch (and the sinks' logits) -> (B, Hq, N, Dv) in q's dtype."""
     B, Hq, N, _ = q.shape
     m, l, acc = (mx.concatenate([p[i] for p in parts], axis=2) if len(parts) > 1 else parts[0][i] for i in range(3))
-    sk = _dummy(mx.float32) if sinks is None else sinks.astype(mx.float32).reshape(-1)
+    sk = _sinks(sinks)
     return _merge_kernel()(
         inputs=[m, l, acc, sk, _ints(0, m.shape[2])],
         template=[("REP", rep), ("NQ", N), ("DV", value_dim), ("HAS_SINK", sinks is not None), ("OT", q.dtype)],

@@ -22,6 +22,7 @@ from .view import Joint
 
 STEP = 256
 _LAST: dict = {}  # the last row lengths handed to the device, and their array
+_STEP: dict = {}  # per_step: name -> (q_start, n, value)
 
 
 def device_lengths(lengths: list[int]) -> mx.array:
@@ -34,14 +35,19 @@ def device_lengths(lengths: list[int]) -> mx.array:
     return _LAST["array"]
 
 
+def per_step(name: str, q_start: mx.array, n: int, make):
+    """`make()` once per decode step for all its layers: every layer of a batch shares the step's
+    q_start array (`device_lengths`), and each op is a node MLX encodes on the host, per layer otherwise.
+    The array is held, so its identity names the step."""
+    slot = _STEP.get(name)
+    if slot is None or slot[0] is not q_start or slot[1] != n:
+        slot = _STEP[name] = (q_start, n, make())
+    return slot[2]
+
+
 def write_index(q_start: mx.array, N: int) -> mx.array:
-    """(B, 1, N) columns the step's N tokens go to, made once for all the layers of a step (they
-    share `device_lengths`' array): each op is a node MLX encodes on the host, per layer otherwise."""
-    key = (id(q_start), N)
-    if _LAST.get("index_key") != key or _LAST.get("index_of") is not q_start:
-        idx = (q_start[:, None] + mx.arange(N)[None]).reshape(q_start.shape[0], 1, N)
-        _LAST["index_key"], _LAST["index_of"], _LAST["index"] = key, q_start, idx
-    return _LAST["index"]
+    """(B, 1, N) columns the step's N tokens go to."""
+    return per_step("index", q_start, N, lambda: (q_start[:, None] + mx.arange(N)[None]).reshape(-1, 1, N))
 
 
 def packable(row: CompressedKVCache) -> bool:
