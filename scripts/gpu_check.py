@@ -51,7 +51,6 @@ def check_kernel() -> None:
     from kvcore.attention import cuda_decode
     from kvcore.codecs import AffineCodec
 
-    cuda_decode.ENABLED = True  # this script is where the opt-in kernel is checked
     emit("results.jsonl", {"step": "cuda-kernel-selfcheck", "ready": cuda_decode.ready(), **cuda_decode.status()})
     if not cuda_decode.ready():
         return

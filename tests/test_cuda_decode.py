@@ -102,7 +102,7 @@ def test_every_constant_the_source_reads_is_in_the_template():
     plan = PLANS[0]
     names = {n for n, _ in plan.template}
     used = set(re.findall(r"\b([A-Z][A-Z0-9_]{1,})\b", cuda_source.SOURCE)) - {"NEG", "QVT", "NWARP", "CHUNK", "NSPLIT", "VH", "HQ", "D4"}
-    used -= {"FUSED", "HAS_SINK", "OT"}  # per kernel object, beside the plan's (cuda_decode._kernel)
+    used -= {"FUSED", "HAS_SINK", "OT"}  # per kernel object, beside the plan's (cuda_kernels._kernel)
     assert used <= names, used - names
     assert {f"OFF_{k}" for k in plan.layout if k != "TOTAL"} <= used
 

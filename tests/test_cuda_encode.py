@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kvcore.attention import cuda_decode, cuda_encode
+from kvcore.attention import cuda_decode, cuda_encode, cuda_kernels
 from kvcore.attention.config import AttentionConfig
 from kvcore.attention.cuda_check import check_inputs, relative_error
 from kvcore.attention.cuda_launch import Plan, Side
@@ -69,10 +69,10 @@ def test_the_kernel_merging_its_splits_equals_the_two_launches(plan, q_dtype):
     """One launch (the last block of each row, head and query chunk merges) == kernel + merge kernel,
     with sinks, uneven rows, bounds and strided buffers; both within the device check's tolerance."""
     q, launch, ref, sinks, scale, split = check_inputs(plan, q_dtype, seed=3)
-    two = cuda_decode.merge(q, [cuda_decode.partials(q, launch, plan, scale, 2, split)], plan.rep,
+    two = cuda_kernels.merge(q, [cuda_kernels.partials(q, launch, plan, scale, 2, split)], plan.rep,
                             plan.value.dim, sinks)
     for _ in range(3):  # the counters are left at zero for the next launch: the same answer again
-        one = cuda_decode.partials(q, launch, plan, scale, 2, split, sinks=sinks, fused=True)[3]
+        one = cuda_kernels.partials(q, launch, plan, scale, 2, split, sinks=sinks, fused=True)[3]
         assert relative_error(one, two) < (1e-6 if q_dtype == mx.float32 else 4e-3)  # bfloat16: an ulp at most
     assert relative_error(one, ref) < {mx.float32: 1e-4, mx.bfloat16: 1.5e-2}[q_dtype]
-    assert not mx.any(cuda_decode._counters()).item()
+    assert not mx.any(cuda_kernels._counters()).item()

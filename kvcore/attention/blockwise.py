@@ -49,7 +49,8 @@ def kv_attention(q: mx.array, view: KVView, scale: float, sinks: mx.array | None
     """q: (B, Hq, N, D) -> (B, Hq, N, Dv), attending over the view's stored tokens; `config`
     (default: the one the view carries) picks the path."""
     cfg, stats = _setup(view, config)
-    kernel = cfg.accelerated and cfg.cuda_kernel and q.shape[0] * view.shape[2] >= cfg.cuda_min_tokens
+    kernel = cfg.accelerated and cfg.cuda_kernel and (cfg.cuda_min_tokens == 0 or
+                                                      q.shape[0] * view.shape[2] >= cfg.cuda_min_tokens)
     out = cuda_decode.view_attention(q, view, scale, sinks) if kernel else None
     if out is not None:
         _count(stats, "cuda-kernel")

@@ -25,7 +25,7 @@ HEADS = 2
 
 def random_side(side: Side, B: int, T: int, cap: int, key) -> tuple[tuple, mx.array, mx.array]:
     """(arrays as the kernel takes them, codebook, float32 values the kernel must see): (B, HEADS, T, ...)."""
-    from .cuda_decode import _dummy
+    from .cuda_kernels import dummy as _dummy
 
     x = mx.random.normal((B, HEADS, cap, side.dim), key=key)
     if side.kind == "affine":
@@ -45,7 +45,7 @@ def random_side(side: Side, B: int, T: int, cap: int, key) -> tuple[tuple, mx.ar
 
 def check_inputs(plan: Plan, q_dtype, seed: int = 0):
     """(q, launch, reference output, sinks, scale, split) for one random case of this plan."""
-    from .cuda_decode import Launch
+    from .cuda_kernels import Launch
 
     B, N = 2, plan.n_queries
     counts = (2 * plan.tile + 45, 37)
@@ -71,7 +71,8 @@ def check_inputs(plan: Plan, q_dtype, seed: int = 0):
 
 def check_plan(plan: Plan, q_dtype, seed: int = 0) -> str | None:
     """None when the kernel matches the reference for this plan on the device, else why not."""
-    from .cuda_decode import _dtype_name, merge, partials
+    from .cuda_kernels import dtype_name as _dtype_name
+    from .cuda_kernels import merge, partials
 
     q, launch, ref, sinks, scale, split = check_inputs(plan, q_dtype, seed)
     tol = TOLERANCE[_dtype_name(q_dtype)]

@@ -83,53 +83,82 @@ SOURCE = r"""
   }
 """
 
-_KERNEL: list = []
+_KERNELS: dict = {}  # (bits, group, pre16) -> kernel object (its constants in its source)
 _VERDICTS: dict = {}  # (bits, group, dim, dtype name) -> None (admitted) or why not
+_COVERS: dict = {}  # (codec class, bits, group, layout, dim, dtype) -> its encoder, or None (asked per decode step)
 THREADS = 128
 DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 
 
-def _kernel():
-    if not _KERNEL:
+def _kernel(bits: int, group: int, pre16: bool):
+    """The encode kernel for one setting, made once: its constants are in its source, so a call
+    passes no template (MLX formats every template argument into the source on each call)."""
+    key = (bits, group, pre16)
+    k = _KERNELS.get(key)
+    if k is None:
         from .cuda_source import compact
 
-        _KERNEL.append(mx.fast.cuda_kernel(name="mlxkv_encode", input_names=["k", "v"],
-                                           output_names=["w_out", "s_out", "b_out"], source=compact(SOURCE),
-                                           ensure_row_contiguous=False))
-    return _KERNEL[0]
+        consts = f"constexpr int BITS = {bits};\nconstexpr int G = {group};\nconstexpr bool PRE16 = {str(pre16).lower()};\n"
+        k = _KERNELS[key] = mx.fast.cuda_kernel(
+            name=f"mlxkv_encode_{bits}_{group}_{int(pre16)}", input_names=["k", "v"],
+            output_names=["w_out", "s_out", "b_out"], source=consts + compact(SOURCE), ensure_row_contiguous=False)
+    return k
 
 
-def launch(keys: mx.array, values: mx.array, bits: int, group: int) -> tuple[mx.array, mx.array, mx.array]:
+def launch(keys: mx.array, values: mx.array, bits: int, group: int, kernel=None) -> tuple[mx.array, mx.array, mx.array]:
     """keys, values (B, H, T, D) -> joint (B, 2H, T, D*bits/32) uint32 words, (B, 2H, T, D/group)
     float16 scales and biases (keys' heads first)."""
     B, H, T, D = keys.shape
     total = B * 2 * H * T * (D // group)
-    return tuple(_kernel()(
-        inputs=[keys, values],
-        template=[("BITS", bits), ("G", group), ("PRE16", keys.dtype == mx.bfloat16 and bits != 8)],
-        grid=(total, 1, 1), threadgroup=(min(THREADS, total), 1, 1),
-        output_shapes=[(B, 2 * H, T, D * bits // 32), (B, 2 * H, T, D // group), (B, 2 * H, T, D // group)],
-        output_dtypes=[mx.uint32, mx.float16, mx.float16],
+    meta = (B, 2 * H, T, D // group)
+    kernel = kernel or _kernel(bits, group, keys.dtype == mx.bfloat16 and bits != 8)
+    return tuple(kernel(
+        inputs=[keys, values], grid=(total, 1, 1), threadgroup=(min(THREADS, total), 1, 1),
+        output_shapes=[(B, 2 * H, T, D * bits // 32), meta, meta], output_dtypes=_OUT_DTYPES,
     ))
+
+
+_OUT_DTYPES = [mx.uint32, mx.float16, mx.float16]
 
 
 def covers(codec, keys: mx.array, values: mx.array) -> bool:
     """Whether this launch encodes these tokens for this codec here (CUDA, affine channel layout)."""
-    from ..codecs.affine import AffineCodec
+    if keys.shape != values.shape or keys.dtype != values.dtype:
+        return False
+    return encoder(codec, keys.dtype, keys.shape[-1]) is not None
 
-    if backend_name() != "cuda" or type(codec) is not AffineCodec or codec.layout != "channel":
-        return False
-    if keys.dtype != values.dtype or keys.dtype not in DTYPES or keys.shape != values.shape:
-        return False
-    return admitted(codec.bits, codec.group, keys.shape[-1], keys.dtype)
+
+def encoder(codec, dtype, dim: int):
+    """`encode(keys, values)` -> joint parts through the launch, for this codec, input dtype and
+    head dim here; None where the launch does not serve. Callers may keep it (it depends on
+    nothing else)."""
+    if backend_name() != "cuda":
+        return None
+    key = (type(codec), getattr(codec, "bits", None), getattr(codec, "group", None), getattr(codec, "layout", None),
+           dim, dtype)
+    hit = _COVERS.get(key, False)
+    if hit is False:
+        from ..codecs.affine import AffineCodec
+
+        ok = (type(codec) is AffineCodec and codec.layout == "channel" and dtype in DTYPES
+              and admitted(codec.bits, codec.group, dim, dtype))
+        if ok:
+            bits, group, kernel = codec.bits, codec.group, _kernel(codec.bits, codec.group,
+                                                                    dtype == mx.bfloat16 and codec.bits != 8)
+            hit = lambda k, v: launch(k, v, bits, group, kernel)
+        else:
+            hit = None
+        _COVERS[key] = hit
+    return hit
 
 
 def encode_joint(codec, keys: mx.array, values: mx.array) -> tuple | None:
     """The joint parts of these tokens, as `codec.encode(concat([keys, values], axis=1))` gives
     them, in one launch; None where the launch does not serve (the portable encode then does)."""
-    if not covers(codec, keys, values):
+    if keys.shape != values.shape or keys.dtype != values.dtype:
         return None
-    return launch(keys, values, codec.bits, codec.group)
+    enc = encoder(codec, keys.dtype, keys.shape[-1])
+    return None if enc is None else enc(keys, values)
 
 
 def admitted(bits: int, group: int, dim: int, dtype) -> bool:

@@ -23,6 +23,9 @@ from ..cache.view import ENCODED, BatchKVView, KVView
 from .config import DEFAULT
 
 
+_MISS = object()
+
+
 def _rotation(codec):
     return getattr(codec, "rotation", None) if hasattr(codec, "decode_rotated") else None
 
@@ -46,6 +49,12 @@ def shared_rotation(view):
     if isinstance(view, PackedView):
         return _codec_rotation(view.key_codec, view.value_codec)
     if isinstance(view, KVView):
+        if view.memo is not None and view.steady:  # a decode step: the answer of the cache's codecs, kept
+            rot = view.memo.get("rotation", _MISS)
+            if rot is _MISS:
+                seg = view.segments[0]
+                rot = view.memo["rotation"] = _codec_rotation(seg.key_codec, seg.value_codec)
+            return rot
         rots = _view_rotations(view)
     elif isinstance(view, BatchKVView):
         rots = [r for v in view.rows if v is not None for r in _view_rotations(v)]

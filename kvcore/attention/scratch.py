@@ -84,6 +84,14 @@ class CallShape:
     @classmethod
     def of(cls, q_shape, dtype: mx.Dtype, view: KVView, sinks: bool = False) -> CallShape:
         segs = view.segments
+        if view.memo is not None and view.steady:  # a decode step: its mask and factor are the cache's, kept
+            key = ("call factor", dtype)
+            factor = view.memo.get(key)
+            if factor is None:
+                factor = view.memo[key] = view_workspace_factor(view, dtype)
+            n = segs[0].length
+            return cls(q_shape[0], q_shape[1], view.heads, view.head_dim, view.value_dim, q_shape[2], n,
+                       None if view.n_queries == 1 else "causal", False, 1, n, factor, sinks)
         one_dense = len(segs) == 1 and segs[0].kind == DENSE and segs[0].rotation is None
         encoded = max((s.length for s in segs if s.kind == ENCODED), default=0)
         return cls(q_shape[0], q_shape[1], view.heads, view.head_dim, view.value_dim, q_shape[2], view.shape[2],

@@ -32,10 +32,13 @@ class Buffer:
         k = new[0].shape[2]
         if k == 0:
             return
-        self._room(k, [p.shape for p in new], [p.dtype for p in new])
+        n = self.n
+        if self.parts is None or n + k > self.parts[0].shape[2]:
+            self._room(k, [p.shape for p in new], [p.dtype for p in new])
+        cols = slice(n, n + k)
         for part, value in zip(self.parts, new):
-            part[:, :, self.n : self.n + k] = value
-        self.n += k
+            part[:, :, cols] = value
+        self.n = n + k
 
     def append_halves(self, first: tuple[mx.array, ...], second: tuple[mx.array, ...]) -> None:
         """Append parts whose axis 1 is `first`'s then `second`'s (joint K/V storage), written

@@ -24,6 +24,7 @@ from mlx_lm.models.cache import _BaseCache
 from ..attention import cuda_encode
 from ..attention.config import DEFAULT as DEFAULT_ATTENTION
 from ..attention.config import AttentionConfig, AttentionStats
+from ..backend import backend_name
 from ..codecs import CodecSpec, make_codec
 from . import rollback
 from .buffer import STEP, Buffer
@@ -73,6 +74,7 @@ class CompressedKVCache(_BaseCache):
         self._fresh = None  # dense (k, v, position) of the blocks the last update encoded
         self.attention = attention  # how attention reads this cache (carried by its views)
         self.stats = stats if stats is not None else AttentionStats()  # shared by one cache set
+        self.memo: dict = {}  # attention's per-cache derivations from these settings (KVView.memo)
 
     # -- layout -------------------------------------------------------------
     @property
@@ -87,6 +89,7 @@ class CompressedKVCache(_BaseCache):
     def _configure(self, dims: tuple) -> None:
         """Dimensions (B, H, D, Dv, dtype) -> codecs and the encoded layout."""
         self._dims = dims
+        self.memo = {}
         _, _, D, Dv, _ = dims
         self.key_codec = make_codec(self.key_spec, D)
         self.value_codec = make_codec(self.value_spec, Dv)
@@ -131,7 +134,13 @@ class CompressedKVCache(_BaseCache):
     def encode_tokens(self, keys: mx.array, values: mx.array) -> tuple:
         """The encoded parts of these tokens as the buffer stores them."""
         if self.joint:
-            parts = cuda_encode.encode_joint(self.key_codec, keys, values) if self.attention.cuda_kernel else None
+            parts = None
+            if self.attention.cuda_kernel and keys.shape == values.shape and keys.dtype == values.dtype:
+                key = ("encoder", keys.dtype, backend_name())
+                enc = self.memo.get(key, False)
+                if enc is False:
+                    enc = self.memo[key] = cuda_encode.encoder(self.key_codec, keys.dtype, keys.shape[-1])
+                parts = enc(keys, values) if enc is not None else None
             if parts is None:
                 parts = self.key_codec.encode(mx.concatenate([keys, values], axis=1))
             self._n_key_parts = len(parts)
@@ -269,7 +278,7 @@ class CompressedKVCache(_BaseCache):
         if self.tail.n:
             k, v = self.tail.get()
             segs.append(Segment(DENSE, k, v, self.tail_start, self.tail.n))
-        return KVView(segs, q_start, N, self.window, self.keep, B, H, D, Dv, self.attention, self.stats)
+        return KVView(segs, q_start, N, self.window, self.keep, B, H, D, Dv, self.attention, self.stats, self.memo)
 
     def _split_enc(self):
         """(key parts, value parts) of the stored blocks."""

@@ -82,6 +82,7 @@ class PackedView:
     config: object = None  # the rows' AttentionConfig
     stats: object = None  # the cache set's AttentionStats
     joint: Joint | None = None  # K and V in one set of arrays (key_parts, value_parts: views of it)
+    memo: dict | None = None  # the rows' shared settings' own (KVView.memo): attention's derivations, kept
 
     @property
     def key_parts(self) -> tuple:
@@ -191,7 +192,8 @@ class PackedRows:
             nk = t.shape_layout.key_parts or 1 if t.key_codec is not None else 1
             kp, vp = self.parts[:nk], self.parts[nk:]
         return PackedView(kp, vp, t.key_codec, t.value_codec, q_start, N, L, H, D, values.shape[-1],
-                          uniform=len(set(self.lengths)) == 1, config=t.attention, stats=t.stats, joint=joint)
+                          uniform=len(set(self.lengths)) == 1, config=t.attention, stats=t.stats, joint=joint,
+                          memo=t.memo)
 
     # -- batch protocol -----------------------------------------------------
     def filter(self, idx: list[int]) -> None:

@@ -131,10 +131,20 @@ class KVView:
     value_dim: int
     config: Any = None  # the cache's AttentionConfig (None: the default)
     stats: Any = None  # the cache set's AttentionStats
+    memo: dict | None = None  # the cache's own: what attention derives from its settings alone, kept between steps
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
         return (self.batch, self.heads, sum(s.length for s in self.segments), self.head_dim)
+
+    @property
+    def steady(self) -> bool:
+        """A plain compressed layer's decode view: one encoded segment of one-token blocks, read
+        encoded from the query on (no window, sink, recent or dense tokens)."""
+        if len(self.segments) != 1 or self.window is not None:
+            return False
+        s = self.segments[0]
+        return s.kind == ENCODED and s.block_tokens == 1 and not s.lag
 
     @property
     def q_positions(self) -> mx.array:

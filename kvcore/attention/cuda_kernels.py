@@ -1,0 +1,201 @@
+"""The decode kernel's objects and launches (`mx.fast.cuda_kernel`): one kernel object per plan, its
+constants in its source; the ring of split counters that fused launches merge with; a launch's
+geometry, inputs and outputs; the merge launch. `cuda_decode.py` decides what to launch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+
+import mlx.core as mx
+
+from . import cuda_source as src
+from .cuda_launch import THREADS, Plan, Side
+
+_KERNELS: dict = {}
+_CONST: dict = {}
+Q_TYPES = (mx.bfloat16, mx.float16, mx.float32)
+
+
+@cache
+def dtype_name(dtype) -> str:
+    return str(dtype).rsplit(".", 1)[-1]
+
+
+@dataclass
+class Launch:
+    """One segment's kernel launch: how K/V are stored, their arrays, the rows' token bounds."""
+
+    key: Side
+    value: Side
+    k_arrays: tuple  # (words, scales, biases), dummies where a side has none
+    v_arrays: tuple
+    k_book: mx.array
+    v_book: mx.array
+    rows: mx.array  # (B, 3) int32: lo0, hi0, count (columns of this segment)
+    columns: int  # most tokens a row holds here (host int): sizes the splits
+    v_head: int = 0  # the value arrays' first head (joint storage: the key arrays, from head Hkv on)
+
+
+def _const(key, make):
+    if key not in _CONST:
+        _CONST[key] = make()
+    return _CONST[key]
+
+
+def dummy(dtype=mx.float16) -> mx.array:
+    return _const(("dummy", dtype), lambda: mx.zeros((1,), dtype=dtype))
+
+
+def _ints(*xs: int) -> mx.array:
+    return _const(("ints", xs), lambda: mx.array(xs, dtype=mx.int32))
+
+
+def _source_constants(consts) -> str:
+    """Compile-time constants as source lines: the kernel text of a plan carries them, so a call
+    passes no template (MLX formats every template argument into the source on every call)."""
+    out = []
+    for name, value in consts:
+        if isinstance(value, bool):
+            out.append(f"constexpr bool {name} = {'true' if value else 'false'};")
+        elif isinstance(value, int):
+            out.append(f"constexpr int {name} = {value};")
+        else:
+            out.append(f"using {name} = {value};")
+    return "\n".join(out) + "\n"
+
+
+_CTYPES = {"bfloat16": "__nv_bfloat16", "float16": "__half", "float32": "float"}
+
+
+def _kernel(plan: Plan, fused: bool, has_sink: bool, out_dtype):
+    """The decode kernel object for a plan (its constants in its source), made once."""
+    key = ("decode", plan, fused, has_sink, out_dtype)
+    k = _KERNELS.get(key)
+    if k is None:
+        consts = [*plan.template, ("FUSED", fused), ("HAS_SINK", has_sink), ("OT", _CTYPES[dtype_name(out_dtype)])]
+        k = _KERNELS[key] = mx.fast.cuda_kernel(
+            name=f"mlxkv_decode_{len(_KERNELS)}", input_names=src.INPUTS, output_names=src.OUTPUTS,
+            source=_source_constants(consts) + src.compact(src.SOURCE), header=_header(),
+            ensure_row_contiguous=False, shared_memory=plan.smem)
+    return k
+
+
+@cache
+def _header() -> str:
+    return src.compact(src.HEADER)
+
+
+def _merge_kernel():
+    k = _KERNELS.get("merge")
+    if k is None:
+        k = _KERNELS["merge"] = mx.fast.cuda_kernel(
+            name="mlxkv_merge", input_names=src.MERGE_INPUTS, output_names=src.MERGE_OUTPUTS,
+            source=src.compact(src.MERGE_SOURCE), ensure_row_contiguous=True)
+    return k
+
+
+# the split counters of fused launches: a ring of slots, each launch takes the next one, so
+# launches that may run at once (no data dependency between them) never share a counter
+RING_SLOTS = 1024
+SLOT = 1024  # counters per slot: rows x KV heads x query chunks of one launch, at most
+_RING = {"next": 0}
+
+
+def _counters() -> mx.array:
+    return _const(("ctr",), lambda: mx.zeros((RING_SLOTS * SLOT,), dtype=mx.int32))
+
+
+def _next_slot() -> int:
+    i = _RING["next"]
+    _RING["next"] = (i + 1) % RING_SLOTS
+    return i * SLOT
+
+
+@cache
+def _geometry(plan: Plan, B: int, heads: int, columns_tiles: int) -> tuple:
+    """(chunk, nsplit, grid, partial shapes) of one launch (cached: a step repeats them per layer)."""
+    chunk, nsplit = plan.splits(columns_tiles * plan.tile, B, heads)
+    return chunk, nsplit, plan.grid(nsplit, heads, B), plan.partial_shapes(B, heads, nsplit)
+
+
+def _sinks(sinks: mx.array | None) -> mx.array:
+    """The sinks' logits as the kernels read them: float32 (Hq,), a dummy when there are none."""
+    return dummy(mx.float32) if sinks is None else sinks.astype(mx.float32).reshape(-1)
+
+
+def _scale(scale: float) -> mx.array:
+    return _const(("scale", scale), lambda: mx.array([scale], dtype=mx.float32))
+
+
+def partials(q: mx.array, launch: Launch, plan: Plan, scale: float, heads: int, split: tuple[int, int] | None = None,
+             sinks: mx.array | None = None, fused: bool = False):
+    """One launch: (m, l, acc) partial softmax per split, shapes from `Plan.partial_shapes`, and
+    with `fused` the merged output (B, Hq, N, Dv) in q's dtype as a fourth array."""
+    B, Hq, N, _ = q.shape
+    if split is None:
+        chunk, nsplit, grid, shapes = _geometry(plan, B, heads, -(-launch.columns // plan.tile))
+    else:
+        (chunk, nsplit), grid, shapes = split, plan.grid(split[1], heads, B), plan.partial_shapes(B, heads, split[1])
+    base = _next_slot() if fused else 0
+    sk = _sinks(sinks)
+    return _kernel(plan, fused, sinks is not None, q.dtype)(
+        inputs=[q, *launch.k_arrays, *launch.v_arrays, launch.k_book, launch.v_book, launch.rows,
+                _ints(chunk, nsplit, launch.v_head), _scale(scale),
+                _counters() if fused else dummy(mx.int32), _ints(base), sk],
+        grid=grid, threadgroup=(THREADS, 1, 1),
+        output_shapes=[*shapes, (B, Hq, N, plan.value.dim) if fused else (1,)],
+        output_dtypes=[mx.float32] * 3 + [q.dtype],
+    )
+
+
+def merge(q: mx.array, parts: list, rep: int, value_dim: int, sinks: mx.array | None) -> mx.array:
+    """Combine the splits of every launch (and the sinks' logits) -> (B, Hq, N, Dv) in q's dtype."""
+    B, Hq, N, _ = q.shape
+    m, l, acc = (mx.concatenate([p[i] for p in parts], axis=2) if len(parts) > 1 else parts[0][i] for i in range(3))
+    sk = _sinks(sinks)
+    return _merge_kernel()(
+        inputs=[m, l, acc, sk, _ints(0, m.shape[2])],
+        template=[("REP", rep), ("NQ", N), ("DV", value_dim), ("HAS_SINK", sinks is not None), ("OT", q.dtype)],
+        grid=(value_dim, Hq * N, B), threadgroup=(value_dim, 1, 1),
+        output_shapes=[(B, Hq, N, value_dim)], output_dtypes=[q.dtype],
+    )[0]
+
+
+def fusable(plan: Plan, B: int, heads: int, columns: int) -> bool:
+    """Whether one launch merges its own splits (its counters fit a slot of the ring, the split
+    weights its shared memory)."""
+    nsplit = _geometry(plan, B, heads, -(-columns // plan.tile))[1]
+    return B * heads * plan.nqc <= SLOT and plan.merges_in_launch(nsplit)
+
+
+def joint_launch(q: mx.array, recipe: tuple, joint, rows: mx.array, columns: int, heads: int, scale: float,
+                  sinks) -> mx.array:
+    """The launch `attend` makes for one joint Launch(rows, columns), from its recipe."""
+    B = q.shape[0]
+    plan, (ks, kb), (vs, vb), geometry = recipe
+    tiles = -(-columns // plan.tile)
+    geo = geometry.get((B, tiles))
+    if geo is None:
+        geo = geometry[(B, tiles)] = _joint_geometry(plan, B, heads, tiles, sinks is not None, q.dtype)
+    kernel, grid, shapes, ints, fused = geo
+    w, sc, bi = joint.arrays
+    if not fused:
+        launch = Launch(ks, vs, joint.arrays, joint.arrays, kb, vb, rows, columns, joint.heads)
+        return merge(q, [partials(q, launch, plan, scale, heads)], plan.rep, plan.value.dim, sinks)
+    return kernel(inputs=[q, w, sc, bi, w, sc, bi, kb, vb, rows, ints, _scale(scale), _counters(),
+                          _ints(_next_slot()), _sinks(sinks)],
+                  grid=grid, threadgroup=(THREADS, 1, 1), output_shapes=shapes, output_dtypes=_FUSED_DTYPES[q.dtype])[3]
+
+
+_FUSED_DTYPES = {dt: [mx.float32] * 3 + [dt] for dt in Q_TYPES}
+
+
+def _joint_geometry(plan: Plan, B: int, heads: int, tiles: int, has_sink: bool, q_dtype) -> tuple:
+    """(kernel, grid, output shapes, (chunk, nsplit, v_head) array, fused) of a joint launch over
+    `tiles` tiles, as `partials(..., fused=True)` makes them (joint V starts at head `heads`)."""
+    chunk, nsplit, grid, shapes = _geometry(plan, B, heads, tiles)
+    fused = B * heads * plan.nqc <= SLOT and plan.merges_in_launch(nsplit)
+    out = (B, heads * plan.rep, plan.n_queries, plan.value.dim)
+    return _kernel(plan, True, has_sink, q_dtype), grid, [*shapes, out], _ints(chunk, nsplit, heads), fused
