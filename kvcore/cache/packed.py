@@ -50,6 +50,16 @@ def write_index(q_start: mx.array, N: int) -> mx.array:
     return per_step("index", q_start, N, lambda: (q_start[:, None] + mx.arange(N)[None]).reshape(-1, 1, N))
 
 
+def part_index(q_start: mx.array, N: int, shape: tuple) -> mx.array:
+    """The write index broadcast to one part's update shape (B, H, N, ...): made once per step for all
+    the layers (each reshape and broadcast is a node the host encodes, per part and layer otherwise)."""
+    def make():
+        idx = write_index(q_start, N)
+        return mx.broadcast_to(idx.reshape(shape[0], 1, N, *([1] * (len(shape) - 3))), shape)
+
+    return per_step(("index", shape), q_start, N, make)
+
+
 def packable(row: CompressedKVCache) -> bool:
     if row.window is not None or row.shape_layout is None or row.sink.n or row.enc_start != 0:
         return False
@@ -177,12 +187,8 @@ class PackedRows:
             self.parts = tuple(mx.pad(p, [(0, 0), (0, 0), (0, grow)] + [(0, 0)] * (p.ndim - 3))
                                for p in self.parts)
         q_start = device_lengths(self.lengths)
-        idx = write_index(q_start, N)  # (B, 1, N)
-        out = []
-        for p, v in zip(self.parts, new):
-            i = idx.reshape(B, 1, N, *([1] * (p.ndim - 3)))
-            out.append(mx.put_along_axis(p, mx.broadcast_to(i, v.shape), v, axis=2))
-        self.parts = tuple(out)
+        self.parts = tuple(mx.put_along_axis(p, part_index(q_start, N, tuple(v.shape)), v, axis=2)
+                           for p, v in zip(self.parts, new))
         self.lengths = [n + N for n in self.lengths]
         L = max(self.lengths)
         joint = Joint(self.parts, H) if t.joint else None
