@@ -149,6 +149,28 @@ def test_cache_for_another_model_is_refused(good, tmp_path, tiny_models, default
     assert not out.exists()
 
 
+def _reweighted(default_model_dir, out, change):
+    shutil.copytree(default_model_dir, out)
+    weights = mx.load(str(out / "model.safetensors"))
+    mx.save_safetensors(str(out / "model.safetensors"), {k: change(k, v) for k, v in weights.items()})
+    return out
+
+
+def test_a_cache_from_other_weights_of_the_same_architecture_is_refused(good, tmp_path, default_model_dir):
+    """Same config and vocabulary, weights moved as a fine-tune moves them (a few percent): refused by
+    name; the same weights converted to bfloat16 (rounding up to 0.4%) still continue the cache."""
+    mx.random.seed(0)
+    tuned = _reweighted(default_model_dir, tmp_path / "tuned",
+                        lambda k, v: v * (1 + 0.05 * mx.random.normal(v.shape)) if v.ndim == 2 else v)
+    out = tmp_path / "out.kv"
+    _one_line_error(cli("generate", "-m", tuned, "-p", "x", "--load-cache", good, "--save-cache", out),
+                    "other weights of this architecture")
+    assert not out.exists()
+    bf16 = _reweighted(default_model_dir, tmp_path / "bf16", lambda k, v: v.astype(mx.bfloat16))
+    r = cli("generate", "-m", bf16, "-p", " She", "-n", "3", "--load-cache", good)
+    assert r.exit_code == 0, r.output
+
+
 def test_volatile_config_keys_do_not_matter(good, tmp_path, default_model_dir):
     model = tmp_path / "model"
     shutil.copytree(default_model_dir, model)

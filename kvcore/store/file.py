@@ -4,7 +4,8 @@ Format "mlxkv-kv", version 3: a safetensors file whose metadata key "mlxkv" hold
 document and "mlxkv_sha256" the sha256 of that document's text:
 ```
 {"format": "mlxkv-kv", "version": 3, "mlxkv_version": "0.1.0", "created": "2025-...Z",
- "model": {model_type, architecture, layers, caches, kv_heads, head_dim, config_sha256, tokenizer_sha256},
+ "model": {model_type, architecture, layers, caches, kv_heads, head_dim, config_sha256, tokenizer_sha256,
+           weights: {name: a few sampled values}},
  "sharding": {"ranks": R, "rank": r, "kv_heads": H},   (one rank's file of several only: see sharding.py)
  "prefix_tokens": N,
  "layers": [{"kind": "compressed" | "kv" | "rotating" | "arrays", ...fields of that kind}, ...],
