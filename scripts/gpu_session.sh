@@ -19,7 +19,7 @@ step() { local name=$1 limit=$2; shift 2; echo "== $name (<= ${limit}s)"; local 
   echo "== $name rc=$rc in $((SECONDS - t0))s"; }
 pytest_args=(-q -p no:cacheprovider -n 4 --timeout 60 -rfEs)
 step kernel-tests 140 python3 -m pytest "${pytest_args[@]}" tests/test_cuda_encode.py tests/test_joint_storage.py \
-  tests/test_cuda_decode.py tests/test_cuda_steady.py tests/test_prefill_bound.py
+  tests/test_cuda_decode.py tests/test_cuda_steady.py tests/test_paged.py tests/test_prefill_bound.py
 step host-step 30 python3 scripts/host_step.py --kinds mlx-lm,default,portable,kernel,packed-kernel,packed-portable \
   --repeats 3
 step anatomy 100 python3 scripts/gpu_step_anatomy.py --contexts 512,32768

@@ -130,15 +130,20 @@ def kv_heavy_llama():
     return model, config
 
 
-@pytest.mark.parametrize("name", ["full", "affine4"])
-def test_admitted_bytes_match_measured_memory_for_uneven_rows(name):
-    """Rows of 100 and 4 000 tokens in one batch: packed rows allocate B x the longest row."""
+@pytest.mark.parametrize("name,paged", [("full", None), ("affine4", False), ("affine4", True)],
+                         ids=["full", "affine4-packed", "affine4-paged"])
+def test_admitted_bytes_match_measured_memory_for_uneven_rows(name, paged):
+    """Rows of 100 and 4 000 tokens in one batch: packed rows allocate B x the longest row, paged
+    rows their own pages (and a spare one each); the byte model counts either within 10%."""
+    from kvcore.attention.config import AttentionConfig
+
     model, config = kv_heavy_llama()
     policy = resolve_policy(KVOptions() if name == "full" else POLICIES["affine4"])
     plans = plan_layers(model, policy)
-    need = batch_need(config, plans, model, policy, 32)
+    need = batch_need(config, plans, model, policy, 32, paged=paged)
     reqs = [Request(tuple(int(t) % 250 + 3 for t in range(n)), 4, str(i)) for i, n in enumerate((4000, 100))]
-    engine = Engine(model, None, policy, 2, GenerateConfig(prefill_chunk=32), interleave=False)
+    engine = Engine(model, None, policy, 2, GenerateConfig(prefill_chunk=32), interleave=False,
+                    attention=AttentionConfig(paged=paged))
     mx.clear_cache()
     base = mx.get_active_memory()
     for r in reqs:
@@ -148,10 +153,15 @@ def test_admitted_bytes_match_measured_memory_for_uneven_rows(name):
     mx.eval([c.state for c in engine.caches])
     mx.clear_cache()
     held = mx.get_active_memory() - base  # what the batch's caches hold (and the queued step's few bytes)
-    bm = KVByteModel(config, plans, 4, mlxkv=policy.active, chunk=32)
+    bm = KVByteModel(config, plans, 4, mlxkv=policy.active, chunk=32, paged=paged)
     finals = [len(r.prompt_ids) + r.max_tokens for r in reqs]
     stored = sum(bm.row_bytes(n) for n in finals)
-    assert bm.batch_alloc(finals) > 1.5 * stored  # the stored tokens alone undercount a packed batch
+    if paged:  # pages hold each row's own tokens: within a page per row of what is stored
+        assert stored < bm.batch_alloc(finals) < 1.2 * stored
+        packed = KVByteModel(config, plans, 4, mlxkv=policy.active, chunk=32, paged=False)
+        assert bm.batch_alloc(finals) < 0.6 * packed.batch_alloc(finals)
+    else:
+        assert bm.batch_alloc(finals) > 1.5 * stored  # the stored tokens alone undercount a packed batch
     assert 0.9 * bm.batch_alloc(finals) <= held <= 1.1 * bm.batch_alloc(finals), (held, bm.batch_alloc(finals))
     assert need(finals) >= bm.batch_alloc(finals) + bm.join_transient(finals)  # admission adds the join copy
 

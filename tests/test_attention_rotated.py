@@ -8,6 +8,7 @@ from kvcore.attention.config import AttentionConfig
 from kvcore.attention.rotated import in_rotated_basis, shared_rotation
 from kvcore.cache import BatchCompressedKVCache, CompressedKVCache
 from kvcore.cache.packed import PackedView
+from kvcore.cache.paged import PagedView
 from kvcore.codecs import CodecSpec
 
 K4, V3 = CodecSpec("turbo", 4, None), CodecSpec("turbo", 3, None)
@@ -67,7 +68,7 @@ def test_rotated_basis_over_batch_rows(block):
         q = mx.random.normal((3, 4, 1, 64))
         view, _ = batch.update_and_fetch(mx.random.normal((3, 2, 1, 64)), mx.random.normal((3, 2, 1, 64)))
         packed = windows[1] is None
-        assert isinstance(view, PackedView) == packed and shared_rotation(view) is not None
+        assert isinstance(view, (PackedView, PagedView)) == packed and shared_rotation(view) is not None
         attend = blockwise.packed_attention if packed else batch_kv_attention
         assert close(in_rotated_basis(attend, q, view, 0.125, None), attend(q, view, 0.125, None))
 

@@ -30,6 +30,7 @@ from kvcore.errors import MlxkvError
 from tests.cuda_emulation import codes, decoded, emulate, words
 
 PORTABLE = AttentionConfig(cuda_kernel=False, qmm=False)
+PACKED = AttentionConfig(cuda_kernel=False, qmm=False, paged=False)  # batch rows as the kernel reads them
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
@@ -186,7 +187,7 @@ def test_emulated_kernel_over_packed_rows_of_uneven_lengths(spec):
     mx.random.seed(5)
     rows = []
     for n in (5, 300, 130):
-        c = CompressedKVCache(_spec(name, kb), _spec(name, vb), start=0, attention=PORTABLE)
+        c = CompressedKVCache(_spec(name, kb), _spec(name, vb), start=0, attention=PACKED)
         c.update_and_fetch(mx.random.normal((1, 2, n, 64)), mx.random.normal((1, 2, n, 64)))
         rows.append(c)
     batch = BatchCompressedKVCache(rows)

@@ -19,7 +19,7 @@ from kvcore.cache import BatchCompressedKVCache, CompressedKVCache
 from kvcore.codecs import CodecSpec
 from tests.cuda_emulation import emulate_merge, emulate_partials
 
-KERNEL = AttentionConfig(cuda_kernel=True, cuda_min_tokens=0)
+KERNEL = AttentionConfig(cuda_kernel=True, cuda_min_tokens=0, paged=False)  # the kernel reads packed rows
 PORTABLE = AttentionConfig(cuda_kernel=False, qmm=False)
 
 

@@ -123,7 +123,12 @@ def online_softmax(q: mx.array, blocks, Hkv: int, Dv: int, scale: float, sinks, 
 
 def packed_attention(q: mx.array, view, scale: float, sinks: mx.array | None = None,
                      config: AttentionConfig | None = None) -> mx.array:
-    """q: (B, Hq, N, D) over a PackedView: every row in one call, masked by its own length."""
+    """q: (B, Hq, N, D) over a PackedView: every row in one call, masked by its own length. Paged
+    rows (a PagedView) go to kvcore.attention.paged, which reads their pages or packs them."""
+    if getattr(view, "paged", False):
+        from .paged import paged_attention
+
+        return paged_attention(q, view, scale, sinks, config)
     cfg, stats = _setup(view, config)
     B = q.shape[0]
     kv, _ = _sizes(q[:1], view)

@@ -34,6 +34,7 @@ class AttentionConfig:
     cuda_kernel: bool = field(default_factory=_env_kernel)  # CUDA: the fused decode kernel
     cuda_min_tokens: int = 8192  # ... for calls reading rows x stored tokens >= this (H200 crossover); 0: all
     rotated: bool = True  # rotation codecs: attend in the rotated basis
+    paged: bool | None = None  # batch rows in pages (cache/paged.py); None: off CUDA (its kernel reads packed rows)
 
     def __post_init__(self):
         for name in ("fused_bytes", "block_bytes"):
@@ -54,6 +55,15 @@ class AttentionConfig:
         from .prefill import default_scratch_bytes
 
         return default_scratch_bytes()
+
+    @property
+    def pages(self) -> bool:
+        """Whether batch rows are kept in pages here (`paged`, or by the backend)."""
+        if self.paged is not None:
+            return self.paged
+        from ..backend import backend_name
+
+        return backend_name() != "cuda"
 
     @property
     def accelerated(self) -> bool:

@@ -19,14 +19,17 @@ import mlx.nn as nn
 from mlx_lm.models import base as mlx_base
 
 from ..cache.packed import PackedView
+from ..cache.paged import PagedView
 from ..cache.view import BatchKVView, KVView
 from ..errors import MlxkvError
 from .blockwise import batch_kv_attention, kv_attention, packed_attention
 from .config import AttentionStats
+from .paged import paged_attention
 from .rotated import in_rotated_basis
 
 _ORIGINAL = mlx_base.scaled_dot_product_attention
-_VIEWS = ((KVView, kv_attention), (PackedView, packed_attention), (BatchKVView, batch_kv_attention))
+_VIEWS = ((KVView, kv_attention), (PackedView, packed_attention), (PagedView, paged_attention),
+          (BatchKVView, batch_kv_attention))
 _SEEN = {"modules": -1}
 
 

@@ -19,6 +19,7 @@ from dataclasses import replace
 import mlx.core as mx
 
 from ..cache.packed import PackedView
+from ..cache.paged import PagedView
 from ..cache.view import ENCODED, BatchKVView, KVView
 from .config import DEFAULT
 
@@ -46,7 +47,7 @@ def shared_rotation(view):
     first = view.rows[0] if isinstance(view, BatchKVView) and view.rows and view.rows[0] is not None else view
     if not getattr(first, "config", DEFAULT).rotated:
         return None
-    if isinstance(view, PackedView):
+    if isinstance(view, (PackedView, PagedView)):
         return _codec_rotation(view.key_codec, view.value_codec)
     if isinstance(view, KVView):
         if view.memo is not None and view.steady:  # a decode step: the answer of the cache's codecs, kept
@@ -67,7 +68,7 @@ def shared_rotation(view):
 
 def rotate_view(view, rot):
     """The same view, read in `rot`'s basis."""
-    if isinstance(view, PackedView):
+    if isinstance(view, (PackedView, PagedView)):
         return replace(view, rotation=rot)
     if isinstance(view, KVView):
         return replace(view, segments=[replace(s, rotation=rot) for s in view.segments])

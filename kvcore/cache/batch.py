@@ -13,8 +13,10 @@ The padding columns of an update are dropped per row before storing; `offset` is
 per-row RoPE position of the update's first column (negative inside padding), as mlx-lm
 models expect from a batch cache.
 
-When every row is a plain full-attention, per-token layer (see `packed.py`), the rows are
-packed into shared buffers so one set of ops serves the whole batch; `rows` unpacks.
+When every row is a plain full-attention, per-token layer (see `packed.py`), the rows share
+storage so one set of ops serves the whole batch: pages of one pool (`paged.py`: a row joins or
+leaves without the others being copied) or, where the attention config says so (CUDA, whose
+kernel reads packed rows), packed buffers; `rows` unpacks.
 """
 
 from __future__ import annotations
@@ -24,13 +26,14 @@ from mlx_lm.models.cache import _BaseCache
 
 from .compressed import CompressedKVCache
 from .packed import PackedRows, device_lengths
+from .paged import PagedRows
 from .view import BatchKVView
 
 
 class BatchCompressedKVCache(_BaseCache):
     def __init__(self, rows: list[CompressedKVCache]):
         self._rows = list(rows)
-        self.packed: PackedRows | None = None
+        self.packed: PackedRows | PagedRows | None = None
         self._pad = [0] * len(self._rows)  # padding columns still to come, per row
 
     # -- storage modes --------------------------------------------------------
@@ -46,9 +49,14 @@ class BatchCompressedKVCache(_BaseCache):
         """Rows that may still change storage form (conversion); packed rows never do."""
         return [] if self.packed is not None else self._rows
 
-    def _maybe_pack(self) -> None:
+    def _maybe_pack(self, ids: list | None = None) -> None:
+        """Pack the rows if they all pack; `ids`: their token ids (None where unknown), for paged
+        rows to share the pages of a common prefix."""
         if self.packed is None and not any(self._pad) and len(self._rows) > 1:
-            self.packed = PackedRows.pack(self._rows)
+            if self._rows[0].attention.pages:
+                self.packed = PagedRows.pack(self._rows, ids)
+            else:
+                self.packed = PackedRows.pack(self._rows)
             if self.packed is not None:
                 self._rows = []
 
@@ -144,9 +152,22 @@ class BatchCompressedKVCache(_BaseCache):
             self._rows = [self._rows[i] for i in idx]
         self._pad = [self._pad[i] for i in idx] if self._pad else []
 
-    def extend(self, other: "BatchCompressedKVCache") -> None:
-        self._pad = (self._pad or [0] * self.batch_size) + (other._pad or [0] * other.batch_size)
-        self._rows = self.rows + other.rows  # repacked at the next update
+    def extend(self, other: "BatchCompressedKVCache", ids: list | None = None) -> None:
+        """Add `other`'s rows; `ids`: their token ids (None where unknown), so paged rows may share
+        the pages of a prefix rows here hold."""
+        pad = (self._pad or [0] * self.batch_size) + (other._pad or [0] * other.batch_size)
+        new = other.rows
+        if isinstance(self.packed, PagedRows) and not any(pad) and PagedRows.accepts(new, self.packed.template):
+            self.packed.join(new, ids)  # into free pages: the rows already here are not copied
+        else:
+            self._rows = self.rows + new  # repacked at the next update
+        self._pad = pad
+
+    def reserve_tokens(self, finals: list[int]) -> None:
+        """Room for the rows (in their order) to reach these lengths without growing storage later
+        (paged rows; the others grow as they go)."""
+        if isinstance(self.packed, PagedRows):
+            self.packed.reserve_tokens(finals)
 
     def extract(self, idx: int) -> CompressedKVCache:
         return self.rows[idx]

@@ -5,9 +5,10 @@ admission all count through here, and the tests hold it against real caches' `nb
 against measured memory:
 - `layer_bytes` / `row_bytes`: the bytes a row's stored tokens take (what `nbytes` reports);
 - `row_alloc` / `batch_alloc`: what the caches *allocate*: buffers grow in steps of
-  `STEP` tokens, and packed batch rows (cache/packed.py) take B x (longest row + STEP) each;
+  `STEP` tokens; paged batch rows (cache/paged.py) take whole pages of their own lengths plus
+  one spare page per row, packed ones (cache/packed.py, CUDA) B x (longest row + STEP) each;
 - `join_transient`: the extra bytes while a row joins or leaves a batch (one layer's batch
-  buffers exist twice while they are re-concatenated).
+  buffers exist twice while they are re-concatenated, or while a paged pool grows).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from functools import cache
 from ..codecs import FULL, CodecSpec, make_codec
 from .buffer import STEP
 from .compressed import TRIM_STEP
+from .paged import PAGE
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,8 @@ class LayerCost:
     recent: int
     dtype_size: int
     mlxkv: bool  # an mlxkv cache (else mlx-lm's own KVCache)
+    paged: bool = False  # batch rows in pages (else packed buffers)
+    delayed: bool = False  # conversion starts after some tokens: rows stay apart (unpaged) until then
 
     @property
     def packs(self) -> bool:
@@ -133,6 +137,10 @@ class LayerCost:
         rows = sum(self.row_alloc(n) for n in lengths)
         if len(lengths) == 1 or not (self.packs or not self.mlxkv):
             return rows
+        if self.mlxkv and self.paged:  # the pool: each row's own pages and a spare one
+            pages = sum(-(-(self.stored(n) + 1) // PAGE) for n in lengths) + len(lengths)
+            pool = round(pages * PAGE * self.per_token())
+            return max(rows, pool) if self.delayed else pool
         cap = (self.stored(max(lengths)) + STEP) // STEP * STEP
         packed = round(len(lengths) * cap * (self.per_token() if self.mlxkv else self.dense_token()))
         return max(rows, packed)
@@ -142,9 +150,14 @@ class KVByteModel:
     """The byte model of one model under one plan (`plans` from policy.plan_layers)."""
 
     def __init__(self, config: dict, plans: list, dtype_size: int = 2, rollback: int = 0, mlxkv: bool = True,
-                 chunk: int = 1):
+                 chunk: int = 1, paged: bool | None = None):
         """`chunk`: the longest update (prefill chunk); a window holds up to chunk - 1 more tokens
-        while a chunk's first queries still see their whole window."""
+        while a chunk's first queries still see their whole window. `paged`: batch rows in pages
+        (None: as the default attention config keeps them here)."""
+        if paged is None:
+            from ..attention.config import DEFAULT
+
+            paged = DEFAULT.pages
         shapes = layer_shapes(config)
         self.layers: list[LayerCost] = []
         for i, p in enumerate(plans):
@@ -155,7 +168,7 @@ class KVByteModel:
                 s = LayerShape("window", p.window, s.kv_heads, s.head_dim)
             window = p.window + (TRIM_STEP - 1 + rollback + chunk - 1 if mlxkv else 0) if p.window else None
             self.layers.append(LayerCost(s, p.codec or FULL, p.values, window, p.keep if p.window else 0,
-                                         p.recent, dtype_size, mlxkv))
+                                         p.recent, dtype_size, mlxkv, paged, bool(p.start)))
 
     def row_bytes(self, tokens: int) -> int:
         """Bytes one row's stored tokens take (what its caches' nbytes report)."""
@@ -167,10 +180,19 @@ class KVByteModel:
     def batch_alloc(self, lengths: list[int]) -> int:
         return sum(c.batch_alloc(lengths) for c in self.layers)
 
+    @property
+    def paged(self) -> bool:
+        return any(c.paged and c.mlxkv and c.packs for c in self.layers)
+
     def join_transient(self, lengths: list[int]) -> int:
         """Extra bytes while the batch's buffers are re-concatenated (a row joins or leaves):
-        the largest layer's batch buffers, held twice for a moment."""
-        return max((c.batch_alloc(lengths) for c in self.layers), default=0)
+        the largest layer's batch buffers, held twice for a moment. Paged rows are not copied: a
+        joining row's own caches exist beside its pages until it is in, and a pool that grows is
+        held twice for a moment, one layer at a time."""
+        pool = max((c.batch_alloc(lengths) for c in self.layers), default=0)
+        if self.paged:
+            return pool + max((self.row_alloc(n) for n in lengths), default=0)
+        return pool
 
     def batch_need(self, lengths: list[int]) -> int:
         """What admission reserves for rows of these final lengths: allocation + transient."""

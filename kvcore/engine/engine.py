@@ -30,7 +30,7 @@ from .decode import PlainDecode
 from .forward import DEFAULT_PREFILL_CHUNK
 from .runner import Runner
 from .sampling import SamplingConfig
-from .scheduler import Scheduler
+from .scheduler import Scheduler, final_tokens
 from .sequence import Completion, Request, Sequence, TokenEvent
 from .stats import kv_summary
 
@@ -170,9 +170,10 @@ class Engine:
             return events
         events += self.decoder.before_change(self)
         events += self._drop_finished()
-        self.runner.join(seq.caches)
+        self.runner.join(seq.caches, list(seq.request.prompt_ids))
         seq.caches = None
         self.scheduler.joined(seq)
+        self.runner.reserve([final_tokens(s) for s in self.scheduler.running])
         self.runner.mark_rows([len(s.context) for s in self.scheduler.running])
         self.decoder.joined(self, seq)
         return events

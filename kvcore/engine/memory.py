@@ -49,7 +49,10 @@ def dtype_size(model: nn.Module) -> int:
                  if mx.issubdtype(p.dtype, mx.floating)), 2)
 
 
-def batch_need(config: dict, plans: list, model: nn.Module, policy, chunk: int = 512) -> Callable[[list[int]], int]:
-    """lengths (final tokens per row) -> bytes the batch's caches may take (byte model)."""
-    model_ = KVByteModel(config, plans, dtype_size(model), policy.rollback or 0, mlxkv=policy.active, chunk=chunk)
+def batch_need(config: dict, plans: list, model: nn.Module, policy, chunk: int = 512,
+               paged: bool | None = None) -> Callable[[list[int]], int]:
+    """lengths (final tokens per row) -> bytes the batch's caches may take (byte model); `paged`: as
+    the runner's AttentionConfig keeps batch rows (None: its default here)."""
+    model_ = KVByteModel(config, plans, dtype_size(model), policy.rollback or 0, mlxkv=policy.active, chunk=chunk,
+                         paged=paged)
     return model_.batch_need

@@ -17,6 +17,7 @@ from mlx_lm.models.cache import KVCache
 from ..attention.config import DEFAULT as DEFAULT_ATTENTION
 from ..adapter_set import select_rows
 from ..attention.config import AttentionConfig, AttentionStats
+from ..cache.batch import BatchCompressedKVCache
 from ..cache.dense_batch import DenseBatchKVCache
 from ..policy import KVPolicy, build_caches
 from ..transient import memory_limit
@@ -42,6 +43,7 @@ class Runner:
         self.sampler = sampling.sampler()  # the engine-wide sampler (seeds the global RNG once)
         self.merge_single = merge_single  # speculative rounds need batch caches from the first row
         self.caches: list | None = None  # the running rows' caches
+        self.ids: list = []  # per running row: the token ids its caches held when it joined (or None)
         self.merged = False
 
     def new_caches(self) -> list:
@@ -71,27 +73,48 @@ class Runner:
         select_rows(self.model, [s.request for s in seqs])
 
     # -- membership -------------------------------------------------------------
-    def join(self, caches: list) -> None:
-        """Add one row's caches. Merging is done, and materialized, one layer at a time, so the
-        copy a merge makes exists beside the old buffers for one layer only (the byte model's
-        join transient)."""
+    def join(self, caches: list, ids: list[int] | None = None) -> None:
+        """Add one row's caches (`ids`: the tokens they hold, so paged rows can share the pages of
+        a prompt prefix other rows hold). Merging is done, and materialized, one layer at a time,
+        so the copy a merge makes exists beside the old buffers for one layer only (the byte
+        model's join transient)."""
         if self.caches is None:
+            self.ids = [ids]
             if self.merge_single:
                 self.caches, self.merged = [_settled(type(c).merge([c])) for c in caches], True
             else:
                 self.caches, self.merged = caches, False
         elif not self.merged:
             old, self.caches, self.merged = self.caches, [], True
+            pair = [self.ids[0] if self.ids else None, ids]
             for i, (a, b) in enumerate(zip(old, caches)):
                 merge = DenseBatchKVCache.merge if type(a) is KVCache else type(a).merge
-                self.caches.append(_settled(merge([a, b])))
+                self.caches.append(_settled(merge([a, b]), pair))
                 old[i] = None
+            self.ids = pair
         else:
             for mine, new in zip(self.caches, caches):
-                mine.extend(type(new).merge([new]))
+                extend = mine.extend
+                if isinstance(mine, BatchCompressedKVCache):
+                    extend(type(new).merge([new]), [ids])
+                else:
+                    extend(type(new).merge([new]))
                 _settled(mine)
+            self.ids.append(ids)
+
+    def reserve(self, finals: list[int]) -> None:
+        """Room for the running rows (in order) to reach their final lengths: paged batch rows grow
+        their pools now, one layer at a time, rather than all layers at once inside a decode step."""
+        if not self.merged:
+            return
+        for c in self.caches:
+            grow = getattr(c, "reserve_tokens", None)
+            if grow is not None:
+                grow(finals)
+                _settled(c)
 
     def filter(self, keep: list[int]) -> None:
+        self.ids = [self.ids[i] for i in keep] if len(self.ids) > max(keep, default=-1) else []
         if not keep:
             self.caches, self.merged = None, False
         elif self.merged:
@@ -131,11 +154,12 @@ class Runner:
         return with_logprobs(tokens, lp, seqs)
 
 
-def _settled(cache):
-    """Materialize a cache's arrays now (packing batch rows first, where they pack)."""
+def _settled(cache, ids: list | None = None):
+    """Materialize a cache's arrays now (packing batch rows first, where they pack; `ids`: the
+    rows' token ids, for paged rows to share prefix pages)."""
     pack = getattr(cache, "_maybe_pack", None)
     if pack is not None:
-        pack()
+        pack(ids) if ids is not None else pack()
     state = cache.state
     mx.eval([a for a in (state if isinstance(state, (tuple, list)) else [state]) if isinstance(a, mx.array)])
     return cache

@@ -13,7 +13,9 @@ last layers and of everything outside the layers, at fixed positions. They are c
 tolerance (`WEIGHT_RTOL`, above a dtype conversion's rounding: bfloat16 keeps 8 bits, 0.4%), so a
 converted copy still matches, while a fine-tune moves most sampled values by more. Quantized words
 compare exactly. LoRA adapters' own weights are left out (served adapters have fingerprints of
-their own); a cache from before the sample (no "weights" entry) is not checked on it.
+their own), and so are tensor-parallel shards (each rank holds another slice; the replicated
+tensors, norms and embeddings, are compared); a cache from before the sample (no "weights" entry)
+is not checked on it.
 """
 
 from __future__ import annotations
@@ -59,7 +61,9 @@ def weight_sample(model) -> dict[str, list]:
     layers and in its first, middle and last layers (LoRA weights aside)."""
     from mlx.utils import tree_flatten
 
-    params = [(n, a) for n, a in tree_flatten(model.parameters()) if isinstance(a, mx.array) and "lora" not in n]
+    sharded = {name for name, m in model.named_modules() if type(m).__module__.startswith("mlx.nn.layers.distributed")}
+    params = [(n, a) for n, a in tree_flatten(model.parameters())
+              if isinstance(a, mx.array) and "lora" not in n and n.rsplit(".", 1)[0] not in sharded]
     layers = sorted({int(m.group(1)) for n, _ in params if (m := _LAYER.search(n))})
     keep = {layers[0], layers[len(layers) // 2], layers[-1]} if layers else set()
     picked = [(n, a) for n, a in params if a.size and ((m := _LAYER.search(n)) is None or int(m.group(1)) in keep)]
@@ -76,7 +80,9 @@ def _weights_differ(saved: dict, current: dict) -> str | None:
     """The first sampled weight that differs beyond the tolerance, else None."""
     for name, want in saved.items():
         got = current.get(name)
-        if got is None or not isinstance(want, list) or len(got) != len(want):
+        if got is None:
+            continue  # a tensor this run holds a shard of (or not at all: the config hash has spoken)
+        if not isinstance(want, list) or len(got) != len(want):
             return name
         for a, b in zip(want, got):
             if not isinstance(a, (int, float)) or isinstance(a, bool):

@@ -1,0 +1,355 @@
+"""PagedRows: the rows of a batch cache in pages of one pool per layer, for decode.
+
+```
+pool[i]:  (P, H', PAGE, ...)   page p holds PAGE consecutive tokens of one row, all its heads
+table[b]: [p0, p1, ...]        row b's tokens [k * PAGE, (k + 1) * PAGE) are in page table[b][k]
+```
+The same rows as packed.py packs (full attention, one token per block, converted or plain full
+precision). A row joins by writing its own tokens into free pages and leaves by handing its pages
+back: the other rows are never copied, and padding is at most the last page of a row. The pool
+grows only when its free pages run out (`reserve`: the engine sizes it for the admitted rows'
+final lengths when a row joins, so decode steps never grow it). Every layer of a batch goes
+through the same joins, leaves and steps, so their tables are equal and the small index arrays a
+step needs are made once for all the layers.
+
+A joining row whose token ids are given shares the pages of a row already here that hold the same
+prompt prefix: candidates come from the ids of whole pages (`index`), and a page is shared only if
+its bytes equal the joining row's own (so sharing never changes what a row attends over). A row
+that writes into a shared page (after a rollback) first gets its own copy of it (copy on write).
+
+Attention reads the pages where they lie (`mx.gather_qmm`, kvcore/attention/paged.py) or gathers
+them into a packed view (`PagedView.packed`) for the paths that read contiguous rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import mlx.core as mx
+
+from .compressed import CompressedKVCache
+from .packed import PackedView, device_lengths, packable
+from .view import Joint
+
+PAGE = 128  # tokens per page
+_SHARED: dict = {}  # key name -> (host key, device array): the last one made, shared by the layers of a step
+
+
+def _shared(name: str, key, make) -> mx.array:
+    slot = _SHARED.get(name)
+    if slot is None or slot[0] != key:
+        slot = _SHARED[name] = (key, make())
+    return slot[1]
+
+
+def _pages(n: int) -> int:
+    return -(-n // PAGE)
+
+
+def _as_pages(part: mx.array, n: int, pages: int) -> mx.array:
+    """One row's (1, H', n, ...) tokens -> (pages, H', PAGE, ...)."""
+    pad = pages * PAGE - n
+    p = mx.pad(part, [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (part.ndim - 3)) if pad else part
+    p = p.reshape(p.shape[1], pages, PAGE, *p.shape[3:])
+    return p.swapaxes(0, 1)
+
+
+def _signature(row: CompressedKVCache):
+    return (row.key_spec, row.value_spec, row.shape_layout)
+
+
+def _row_parts(row: CompressedKVCache) -> tuple:
+    return (row.enc if row.key_codec is not None else row.tail).get()
+
+
+@dataclass
+class PagedView:
+    """What a paged layer hands to attention: the pool as it is, each row's pages and length."""
+
+    pool: tuple  # (P, H', PAGE, ...) per part; joint storage: K heads [0, H), V heads [H, 2H)
+    table: mx.array  # (B, pages) int32, unused entries 0 (masked by the lengths)
+    pages: int  # the table's width: the most pages a row holds
+    q_start: mx.array  # (B,) position of each row's first query (its length before this update)
+    n_queries: int
+    length: int  # the longest row
+    key_codec: object
+    value_codec: object
+    heads: int
+    head_dim: int
+    value_dim: int
+    joint: bool
+    n_key_parts: int  # arrays per key (joint: per vector)
+    uniform: bool = False
+    rotation: object = None
+    config: object = None
+    stats: object = None
+    memo: dict | None = None
+    paged = True  # (class attribute) batch attention entry points tell it from a PackedView by this
+
+    @property
+    def shape(self):
+        return (self.table.shape[0], self.heads, self.length, self.head_dim)
+
+    def packed(self) -> PackedView:
+        """The rows gathered into packed buffers (B, H', pages * PAGE, ...): for the paths that read
+        contiguous rows."""
+        B, n = self.table.shape
+        flat = self.table.reshape(-1)
+        parts = tuple(p[flat].reshape(B, n, *p.shape[1:]).swapaxes(1, 2).reshape(B, p.shape[1], n * PAGE, *p.shape[3:])
+                      for p in self.pool)
+        joint = Joint(parts, self.heads) if self.joint else None
+        kp, vp = (None, None) if self.joint else (parts[: self.n_key_parts], parts[self.n_key_parts :])
+        return PackedView(kp, vp, self.key_codec, self.value_codec, self.q_start, self.n_queries, self.length,
+                          self.heads, self.head_dim, self.value_dim, rotation=self.rotation, uniform=self.uniform,
+                          config=self.config, stats=self.stats, joint=joint)
+
+    def rotated(self, rotation) -> PagedView:
+        return replace(self, rotation=rotation)
+
+
+class PagedRows:
+    def __init__(self, template: CompressedKVCache, pool: tuple, tables: list[list[int]], lengths: list[int],
+                 free: list[int]):
+        self.template = template.like(template.shape_layout.batch)  # settings only (see PackedRows)
+        self.pool = pool
+        self.tables = tables
+        self.lengths = lengths
+        self.free = free  # page ids not in any table, taken from the end
+        self.refs: dict[int, int] = {}  # shared pages: page -> rows whose tables hold it (>= 2)
+        self.index: dict[int, int] = {}  # hash of the token ids up to a whole page's end -> that page
+
+    # -- packing --------------------------------------------------------------
+    @staticmethod
+    def accepts(rows: list[CompressedKVCache], template: CompressedKVCache | None = None) -> bool:
+        if not rows or not all(packable(r) for r in rows):
+            return False
+        sig = _signature(template or rows[0])
+        return all(_signature(r) == sig for r in rows)
+
+    @classmethod
+    def pack(cls, rows: list[CompressedKVCache], ids: list | None = None) -> PagedRows | None:
+        """The rows in a new pool; with their token ids (`ids[i]`, or None where unknown), rows share
+        the pages of a common prefix (see `join`)."""
+        if not cls.accepts(rows):
+            return None
+        if ids is not None and any(x is not None for x in ids[1:]):
+            first = cls.pack(rows[:1], ids[:1])
+            first.join(rows[1:], ids[1:])
+            return first
+        lengths = [r.offset for r in rows]
+        counts = [_pages(n + 1) for n in lengths]  # room for the next token
+        spare = len(rows)
+        tables, first = [], 0
+        for c in counts:
+            tables.append(list(range(first, first + c)))
+            first += c
+        parts = []
+        for i in range(len(_row_parts(rows[0]))):
+            pages = [_as_pages(_row_parts(r)[i], n, c) for r, n, c in zip(rows, lengths, counts)]
+            p0 = pages[0]
+            pages.append(mx.zeros((spare, *p0.shape[1:]), dtype=p0.dtype))
+            parts.append(mx.concatenate(pages, axis=0))
+        free = list(range(first + spare - 1, first - 1, -1))
+        out = cls(rows[0], tuple(parts), tables, lengths, free)
+        for table, x in zip(tables, ids or []):
+            out._remember(table, x)
+        return out
+
+    def join(self, rows: list[CompressedKVCache], ids: list | None = None) -> None:
+        """Add rows (packable, with this layer's settings): their own tokens into free pages, or, for
+        a row whose token ids are given, the pages of a row here that hold the same bytes for the
+        same prefix (shared)."""
+        ids = list(ids) if ids is not None else [None] * len(rows)
+        lengths = [r.offset for r in rows]
+        counts = [_pages(n + 1) for n in lengths]
+        shared = [self._shareable(r, n, x) for r, n, x in zip(rows, lengths, ids)]
+        self.reserve(sum(c - len(sh) for c, sh in zip(counts, shared)))
+        tables, writes = [], []
+        for r, n, c, sh in zip(rows, lengths, counts, shared):
+            own = [self.free.pop() for _ in range(c - len(sh))]
+            for p in sh:
+                self.refs[p] = self.refs.get(p, 1) + 1
+            tables.append(sh + own)
+            if own:
+                writes.append((r, n, c, len(sh), own))
+        if writes:
+            flat = mx.array([p for *_, own in writes for p in own], dtype=mx.int32)
+            pool = list(self.pool)
+            for i in range(len(pool)):
+                pool[i][flat] = mx.concatenate([_as_pages(_row_parts(r)[i], n, c)[k:] for r, n, c, k, _ in writes],
+                                               axis=0)
+            self.pool = tuple(pool)
+        for table, x in zip(tables, ids):
+            self._remember(table, x)
+        self.tables += tables
+        self.lengths += lengths
+
+    # -- shared prefixes --------------------------------------------------------
+    @staticmethod
+    def _keys(x, pages: int) -> list[int]:
+        return [hash(tuple(x[: (k + 1) * PAGE])) for k in range(pages)]
+
+    def _remember(self, table: list[int], x) -> None:
+        """Index the whole pages of a row whose token ids are `x` (None: not indexed)."""
+        if x is None:
+            return
+        for key, page in zip(self._keys(x, len(x) // PAGE), table):
+            self.index.setdefault(key, page)
+
+    def _shareable(self, row: CompressedKVCache, n: int, x) -> list[int]:
+        """Pages here holding the bytes of `row`'s first whole pages (its ids `x` name candidates)."""
+        if x is None or len(x) != n or n < PAGE:
+            return []
+        cands = []
+        for key in self._keys(x, n // PAGE):
+            page = self.index.get(key)
+            if page is None or page in cands:
+                break
+            cands.append(page)
+        if not cands:
+            return []
+        idx = mx.array(cands, dtype=mx.int32)
+        same = None
+        for p, mine in zip(self.pool, _row_parts(row)):
+            own = _as_pages(mine[:, :, : len(cands) * PAGE], len(cands) * PAGE, len(cands))
+            eq = mx.all((p[idx] == own).reshape(len(cands), -1), axis=1)
+            same = eq if same is None else same & eq
+        ok = same.tolist()  # one read back per joining row and layer
+        k = next((i for i, v in enumerate(ok) if not v), len(ok))
+        return cands[:k]
+
+    def _own_page(self, b: int, k: int) -> None:
+        """Copy on write: row b gets its own copy of its k-th page if other rows share it."""
+        page = self.tables[b][k]
+        if page not in self.refs:
+            return
+        self.reserve(1)
+        new = self.free.pop()
+        pool = list(self.pool)
+        for i in range(len(pool)):
+            pool[i][new] = pool[i][page]
+        self.pool = tuple(pool)
+        self.tables[b][k] = new
+        self.refs[page] -= 1
+        if self.refs[page] < 2:
+            del self.refs[page]
+
+    def reserve(self, pages: int, exact: bool = False) -> None:
+        """At least `pages` free pages (unless `exact`, the pool grows by a quarter at least, so
+        growing as rows decode is rare)."""
+        short = pages - len(self.free)
+        if short <= 0:
+            return
+        total = self.pool[0].shape[0]
+        grow = short if exact else max(short, total // 4)
+        self.pool = tuple(mx.concatenate([p, mx.zeros((grow, *p.shape[1:]), dtype=p.dtype)], axis=0) for p in self.pool)
+        self.free = list(range(total + grow - 1, total - 1, -1)) + self.free
+
+    def reserve_tokens(self, finals: list[int]) -> None:
+        """Room for every row to reach its final length (in the rows' order): the engine asks when a
+        row joins, so that decode steps never grow the pool."""
+        need = sum(max(0, _pages(f + 1) - len(t)) for f, t in zip(finals, self.tables))
+        self.reserve(need, exact=True)
+
+    def unpack(self) -> list[CompressedKVCache]:
+        rows = []
+        for table, n in zip(self.tables, self.lengths):
+            t = self.template
+            row = t.like(1)
+            row.offset = n
+            idx = mx.array(table, dtype=mx.int32)
+            own = tuple(mx.contiguous(p[idx].swapaxes(0, 1).reshape(1, p.shape[1], len(table) * PAGE, *p.shape[3:])[:, :, :n])
+                        for p in self.pool)
+            if t.key_codec is not None:
+                row.enc.set(own)
+                row.enc_start, row.tail_start = 0, n
+            else:
+                row.tail.set(own)
+                row.enc_start = row.tail_start = 0
+            rows.append(row)
+        return rows
+
+    # -- decode -------------------------------------------------------------
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> PagedView:
+        """keys: (B, H, N, D), each row's next N tokens, written at its own length."""
+        B, H, N, D = keys.shape
+        t = self.template
+        new = (keys, values) if t.key_codec is None else t.encode_tokens(keys, values)
+        if self.refs:  # pages about to be written that other rows share: copies first
+            for b, n in enumerate(self.lengths):
+                for k in range(n // PAGE, min(_pages(n + N), len(self.tables[b]))):
+                    self._own_page(b, k)
+        grow = sum(max(0, _pages(n + N) - len(tb)) for n, tb in zip(self.lengths, self.tables))
+        if grow:
+            self.reserve(grow)
+            for n, tb in zip(self.lengths, self.tables):
+                tb.extend(self.free.pop() for _ in range(max(0, _pages(n + N) - len(tb))))
+        q_start = device_lengths(self.lengths)
+        where = tuple((tb[(n + j) // PAGE], (n + j) % PAGE) for tb, n in zip(self.tables, self.lengths) for j in range(N))
+        pages, slots = _shared("write", where, lambda: (mx.array([w[0] for w in where], dtype=mx.int32),
+                                                        mx.array([w[1] for w in where], dtype=mx.int32)))
+        pool = list(self.pool)
+        for i, v in enumerate(new):  # (B, H', N, ...) -> one token per index (B * N, H', ...)
+            pool[i][pages, :, slots] = v.swapaxes(1, 2).reshape(B * N, *v.shape[1:2], *v.shape[3:])
+        self.pool = tuple(pool)
+        self.lengths = [n + N for n in self.lengths]
+        width = max(len(tb) for tb in self.tables)
+        key = tuple(tuple(tb) for tb in self.tables)
+        table = _shared("table", key, lambda: mx.array([tb + [0] * (width - len(tb)) for tb in self.tables],
+                                                       dtype=mx.int32))
+        lay = t.shape_layout
+        return PagedView(self.pool, table, width, q_start, N, max(self.lengths), t.key_codec, t.value_codec, H, D,
+                         values.shape[-1], t.joint, (lay.key_parts or 1) if t.key_codec is not None else 1,
+                         uniform=len(set(self.lengths)) == 1, config=t.attention, stats=t.stats, memo=t.memo)
+
+    # -- batch protocol -----------------------------------------------------
+    def filter(self, idx: list[int]) -> None:
+        keep = set(idx)
+        freed = set()
+        for b, tb in enumerate(self.tables):
+            if b in keep:
+                continue
+            for p in reversed(tb):
+                if p in self.refs:  # still another row's
+                    self.refs[p] -= 1
+                    if self.refs[p] < 2:
+                        del self.refs[p]
+                else:
+                    self.free.append(p)
+                    freed.add(p)
+        if freed:
+            self.index = {k: p for k, p in self.index.items() if p not in freed}
+        self.tables = [self.tables[i] for i in idx]
+        self.lengths = [self.lengths[i] for i in idx]
+
+    def trim_rows(self, ns: list[int]) -> list[int]:
+        done = [min(int(n), length) for n, length in zip(ns, self.lengths)]
+        self.lengths = [length - n for length, n in zip(self.lengths, done)]
+        return done
+
+    @property
+    def pages_used(self) -> int:
+        """Distinct pages the rows hold (a shared page once)."""
+        return len({p for tb in self.tables for p in tb})
+
+    @property
+    def page_bytes(self) -> int:
+        return sum(p.nbytes // p.shape[0] for p in self.pool)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the rows' stored tokens (the pool holds `allocated`)."""
+        return sum(n * self.page_bytes // PAGE for n in self.lengths)
+
+    @property
+    def allocated(self) -> int:
+        return sum(p.nbytes for p in self.pool)
+
+    @property
+    def elements(self) -> int:
+        lay = self.template.shape_layout
+        return sum(self.lengths) * lay.heads * (lay.head_dim + lay.value_dim)
+
+    @property
+    def state(self) -> tuple:
+        return self.pool
