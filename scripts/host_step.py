@@ -17,6 +17,9 @@ host code, never for speed claims (a stand-in costs about what a real kernel cal
 not to encode).
 
     python scripts/host_step.py [--kinds mlx-lm,default,kernel,packed-kernel] [--layers 32] [--context 500]
+
+Kinds: mlx-lm, default (the shipped config), portable (every kernel off), kernel (forced at every
+length), packed-kernel / packed-portable (4 packed rows), paged (4 paged rows, portable reads).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from pathlib import Path
 import mlx.core as mx
 
 OUT = Path(os.environ.get("OUT", "gpu-out"))
-KINDS = ("mlx-lm", "default", "portable", "kernel", "packed-kernel", "packed-portable")
+KINDS = ("mlx-lm", "default", "portable", "kernel", "packed-kernel", "packed-portable", "paged")
 
 
 def stand_in() -> None:
@@ -57,21 +60,22 @@ def stand_in() -> None:
     cuda_encode.check = lambda *a: None
 
 
-def caches(kind: str, layers: int, rows: int, context: int, heads: int, dim: int) -> list:
+def caches(kind: str, layers: int, rows: int, context: int, heads: int, dim: int, dtype=mx.bfloat16) -> list:
     from mlx_lm.models.cache import KVCache
 
     from kvcore.attention.config import AttentionConfig
     from kvcore.cache import BatchCompressedKVCache, CompressedKVCache
     from kvcore.codecs import CodecSpec
 
-    att = {"default": AttentionConfig(), "portable": AttentionConfig(cuda_kernel=False)}.get(
-        kind.removeprefix("packed-"), AttentionConfig(cuda_kernel=True, cuda_min_tokens=0))
+    att = {"default": AttentionConfig(), "portable": AttentionConfig(cuda_kernel=False, paged=False),
+           "paged": AttentionConfig(cuda_kernel=False, paged=True)}.get(
+        kind.removeprefix("packed-"), AttentionConfig(cuda_kernel=True, cuda_min_tokens=0, paged=False))
     out = []
     for _ in range(layers):
         made = []
         for b in range(rows):
             c = KVCache() if kind == "mlx-lm" else CompressedKVCache(CodecSpec("affine", 4, 64), start=0, attention=att)
-            k = mx.random.normal((1, heads, context + 10 * b, dim)).astype(mx.bfloat16)
+            k = mx.random.normal((1, heads, context + 10 * b, dim)).astype(dtype)
             c.update_and_fetch(k, k)
             made.append(c)
         c = made[0] if rows == 1 else BatchCompressedKVCache(made)
@@ -82,12 +86,12 @@ def caches(kind: str, layers: int, rows: int, context: int, heads: int, dim: int
     return out
 
 
-def run(cs: list, steps: int, rows: int, heads: int, dim: int, q_heads: int) -> tuple[float, float]:
+def run(cs: list, steps: int, rows: int, heads: int, dim: int, q_heads: int, dtype=mx.bfloat16) -> tuple[float, float]:
     from mlx_lm.models import base
 
     sdpa = base.scaled_dot_product_attention  # mlxkv's binding once its caches exist (as a model calls it)
-    q = mx.random.normal((rows, q_heads, 1, dim)).astype(mx.bfloat16)
-    k1 = mx.random.normal((rows, heads, 1, dim)).astype(mx.bfloat16)
+    q = mx.random.normal((rows, q_heads, 1, dim)).astype(dtype)
+    k1 = mx.random.normal((rows, heads, 1, dim)).astype(dtype)
     mx.eval(q, k1)
     tu = ta = 0.0
     outs = []
@@ -122,20 +126,24 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=960)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--stand-in", choices=("auto", "yes", "no"), default="auto")
+    ap.add_argument("--dtype", default="bfloat16", help="K/V and query dtype (float32 for real CPU runs: bf16 is slow there)")
     a = ap.parse_args()
     from kvcore.backend import backend_name, versions
 
     real = backend_name() == "cuda"
-    if a.stand_in == "yes" or (a.stand_in == "auto" and not real):
+    stood_in = a.stand_in == "yes" or (a.stand_in == "auto" and not real)
+    if stood_in:
         stand_in()
         real = False
+    dtype = getattr(mx, a.dtype)
     heads, dim, q_heads = 8, 128, 32
     kinds = a.kinds.split(",")
     for k in kinds:
         if k not in KINDS:
             raise SystemExit(f"unknown kind {k!r} (known: {', '.join(KINDS)})")
-    sets = {k: caches(k, a.layers, a.rows if k.startswith("packed") else 1, a.context, heads, dim) for k in kinds}
-    shape = {k: (a.rows if k.startswith("packed") else 1, heads, dim, q_heads) for k in kinds}
+    batched = lambda k: k.startswith("packed") or k == "paged"  # noqa: E731
+    sets = {k: caches(k, a.layers, a.rows if batched(k) else 1, a.context, heads, dim, dtype) for k in kinds}
+    shape = {k: (a.rows if batched(k) else 1, heads, dim, q_heads, dtype) for k in kinds}
     best: dict = {}
     for _ in range(a.repeats):
         for k in kinds:
@@ -149,7 +157,8 @@ def main() -> None:
         rows.append({"kind": k, "update_us": round(u, 2), "attention_us": round(t, 2), "total_us": round(u + t, 2),
                      "x_first": round((u + t) / base, 2), "python_calls": round(python_calls(sets[k], 320, *shape[k]), 1),
                      "rows": shape[k][0], "layers": a.layers, "context": a.context, "real_kernels": real,
-                     "backend": backend_name() if real else "cpu (CUDA paths with stand-ins)", **versions()})
+                     "backend": "cpu (CUDA paths with stand-ins)" if stood_in else backend_name(), "dtype": a.dtype,
+                     **versions()})
         print(json.dumps(rows[-1]), flush=True)
     OUT.mkdir(parents=True, exist_ok=True)
     with open(OUT / "host_step.jsonl", "a") as f:

@@ -54,6 +54,15 @@ def _as_pages(part: mx.array, n: int, pages: int) -> mx.array:
     return p.swapaxes(0, 1)
 
 
+def _write_rows(where: tuple, B: int, hp: int, N: int) -> mx.array:
+    """Rows of the pool seen as (P * H' * PAGE, W) that token n of row b, head h goes to, in the order
+    of the step's (B, H', N, W) update: ((page * H' + h) * PAGE + slot)."""
+    pages = mx.array([w[0] for w in where], dtype=mx.int32).reshape(B, 1, N)
+    slots = mx.array([w[1] for w in where], dtype=mx.int32).reshape(B, 1, N)
+    h = mx.arange(hp, dtype=mx.int32).reshape(1, hp, 1)
+    return ((pages * hp + h) * PAGE + slots).reshape(-1)
+
+
 def _signature(row: CompressedKVCache):
     return (row.key_spec, row.value_spec, row.shape_layout)
 
@@ -286,12 +295,15 @@ class PagedRows:
                 tb.extend(self.free.pop() for _ in range(max(0, _pages(n + N) - len(tb))))
         q_start = device_lengths(self.lengths)
         where = tuple((tb[(n + j) // PAGE], (n + j) % PAGE) for tb, n in zip(self.tables, self.lengths) for j in range(N))
-        pages, slots = _shared("write", where, lambda: (mx.array([w[0] for w in where], dtype=mx.int32),
-                                                        mx.array([w[1] for w in where], dtype=mx.int32)))
-        pool = list(self.pool)
-        for i, v in enumerate(new):  # (B, H', N, ...) -> one token per index (B * N, H', ...)
-            pool[i][pages, :, slots] = v.swapaxes(1, 2).reshape(B * N, *v.shape[1:2], *v.shape[3:])
-        self.pool = tuple(pool)
+        hp = self.pool[0].shape[1]
+        rows = _shared("write", (where, hp, N), lambda: _write_rows(where, B, hp, N))  # (B * H' * N,)
+        out = []
+        for p, v in zip(self.pool, new):  # the pool as rows of one token and head: one scatter of the step's rows
+            w = p.shape[-1]
+            idx = _shared(("write", w), (where, hp, N, w), lambda: mx.broadcast_to(rows[:, None], (rows.shape[0], w)))
+            flat = mx.put_along_axis(p.reshape(-1, w), idx, v.reshape(-1, w), axis=0)
+            out.append(flat.reshape(p.shape))
+        self.pool = tuple(out)
         self.lengths = [n + N for n in self.lengths]
         width = max(len(tb) for tb in self.tables)
         key = tuple(tuple(tb) for tb in self.tables)
