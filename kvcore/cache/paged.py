@@ -33,6 +33,7 @@ from .view import Joint
 
 PAGE = 128  # tokens per page
 _SHARED: dict = {}  # key name -> (host key, device array): the last one made, shared by the layers of a step
+_KEYS: dict = {}  # the last joining row's ids and their page keys (every layer asks for the same)
 
 
 def _shared(name: str, key, make) -> mx.array:
@@ -196,7 +197,17 @@ class PagedRows:
     # -- shared prefixes --------------------------------------------------------
     @staticmethod
     def _keys(x, pages: int) -> list[int]:
-        return [hash(tuple(x[: (k + 1) * PAGE])) for k in range(pages)]
+        """A key per whole page naming the ids up to its end: each page's key hashes the one before
+        it with its own ids (linear in the prompt), made once for all the layers of a join."""
+        last = _KEYS.get("last")
+        if last is not None and last[0] is x and len(last[1]) >= pages:
+            return last[1][:pages]
+        keys, key = [], 0
+        for k in range(len(x) // PAGE):
+            key = hash((key, tuple(x[k * PAGE : (k + 1) * PAGE])))
+            keys.append(key)
+        _KEYS["last"] = (x, keys)
+        return keys[:pages]
 
     def _remember(self, table: list[int], x) -> None:
         """Index the whole pages of a row whose token ids are `x` (None: not indexed)."""
