@@ -126,6 +126,8 @@ class PagedRows:
         self.lengths = lengths
         self.free = free  # page ids not in any table, taken from the end
         self.refs: dict[int, int] = {}  # shared pages: page -> rows whose tables hold it (>= 2)
+        self.version = 0  # bumped whenever a table changes (the device table is remade only then)
+        self._table: tuple | None = None  # (version, device table)
         self.index: dict[int, int] = {}  # hash of the token ids up to a whole page's end -> that page
 
     # -- packing --------------------------------------------------------------
@@ -193,6 +195,7 @@ class PagedRows:
             self._remember(table, x)
         self.tables += tables
         self.lengths += lengths
+        self.version += 1
 
     # -- shared prefixes --------------------------------------------------------
     @staticmethod
@@ -250,6 +253,7 @@ class PagedRows:
             pool[i][new] = pool[i][page]
         self.pool = tuple(pool)
         self.tables[b][k] = new
+        self.version += 1
         self.refs[page] -= 1
         if self.refs[page] < 2:
             del self.refs[page]
@@ -304,6 +308,7 @@ class PagedRows:
             self.reserve(grow)
             for n, tb in zip(self.lengths, self.tables):
                 tb.extend(self.free.pop() for _ in range(max(0, _pages(n + N) - len(tb))))
+            self.version += 1
         q_start = device_lengths(self.lengths)
         where = tuple((tb[(n + j) // PAGE], (n + j) % PAGE) for tb, n in zip(self.tables, self.lengths) for j in range(N))
         hp = self.pool[0].shape[1]
@@ -317,9 +322,11 @@ class PagedRows:
         self.pool = tuple(out)
         self.lengths = [n + N for n in self.lengths]
         width = max(len(tb) for tb in self.tables)
-        key = tuple(tuple(tb) for tb in self.tables)
-        table = _shared("table", key, lambda: mx.array([tb + [0] * (width - len(tb)) for tb in self.tables],
-                                                       dtype=mx.int32))
+        if self._table is None or self._table[0] != self.version:  # every layer's tables are equal: one array
+            key = tuple(tuple(tb) for tb in self.tables)
+            self._table = (self.version, _shared("table", key, lambda: mx.array(
+                [tb + [0] * (width - len(tb)) for tb in self.tables], dtype=mx.int32)))
+        table = self._table[1]
         lay = t.shape_layout
         return PagedView(self.pool, table, width, q_start, N, max(self.lengths), t.key_codec, t.value_codec, H, D,
                          values.shape[-1], t.joint, (lay.key_parts or 1) if t.key_codec is not None else 1,
@@ -344,6 +351,7 @@ class PagedRows:
             self.index = {k: p for k, p in self.index.items() if p not in freed}
         self.tables = [self.tables[i] for i in idx]
         self.lengths = [self.lengths[i] for i in idx]
+        self.version += 1
 
     def trim_rows(self, ns: list[int]) -> list[int]:
         done = [min(int(n), length) for n, length in zip(ns, self.lengths)]
