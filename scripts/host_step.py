@@ -141,7 +141,7 @@ def main() -> None:
     for k in kinds:
         if k not in KINDS:
             raise SystemExit(f"unknown kind {k!r} (known: {', '.join(KINDS)})")
-    batched = lambda k: k.startswith("packed") or k == "paged"  # noqa: E731
+    batched = lambda k: k.startswith("packed") or k == "paged"
     sets = {k: caches(k, a.layers, a.rows if batched(k) else 1, a.context, heads, dim, dtype) for k in kinds}
     shape = {k: (a.rows if batched(k) else 1, heads, dim, q_heads, dtype) for k in kinds}
     best: dict = {}

@@ -23,7 +23,7 @@ them into a packed view (`PagedView.packed`) for the paths that read contiguous 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import mlx.core as mx
 
@@ -112,9 +112,6 @@ class PagedView:
         return PackedView(kp, vp, self.key_codec, self.value_codec, self.q_start, self.n_queries, self.length,
                           self.heads, self.head_dim, self.value_dim, rotation=self.rotation, uniform=self.uniform,
                           config=self.config, stats=self.stats, joint=joint)
-
-    def rotated(self, rotation) -> PagedView:
-        return replace(self, rotation=rotation)
 
 
 class PagedRows:
@@ -316,7 +313,7 @@ class PagedRows:
         out = []
         for p, v in zip(self.pool, new):  # the pool as rows of one token and head: one scatter of the step's rows
             w = p.shape[-1]
-            idx = _shared(("write", w), (where, hp, N, w), lambda: mx.broadcast_to(rows[:, None], (rows.shape[0], w)))
+            idx = _shared(("write", w), (where, hp, N, w), lambda w=w: mx.broadcast_to(rows[:, None], (rows.shape[0], w)))
             flat = mx.put_along_axis(p.reshape(-1, w), idx, v.reshape(-1, w), axis=0)
             out.append(flat.reshape(p.shape))
         self.pool = tuple(out)
