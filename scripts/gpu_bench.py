@@ -84,7 +84,13 @@ def mlxkv_decode(model, cfg, scheme: str, ctx: int, rows: int, gen: int, kernel:
     policy = scheme_policy(scheme)
     # kernel rows: forced at every context; "default": the shipped config (kernel from cuda_min_tokens,
     # the one-launch encode wherever the kernel is on); False: every CUDA kernel off (the portable paths)
-    attention = AttentionConfig() if kernel == "default" else AttentionConfig(cuda_kernel=kernel, cuda_min_tokens=0)
+    # "paged": batch rows in pages, the kernel reading them through the block table (not yet the CUDA default)
+    if kernel == "default":
+        attention = AttentionConfig()
+    elif kernel == "paged":
+        attention = AttentionConfig(cuda_kernel=True, cuda_min_tokens=0, paged=True)
+    else:
+        attention = AttentionConfig(cuda_kernel=kernel, cuda_min_tokens=0)
     engine = Engine(model, None, policy, rows, GenerateConfig(prefill_chunk=2048), interleave=False,
                     attention=attention, ignore_eos=True)
     lengths = uneven(ctx, rows) if ctx < 0 else [ctx] * rows  # ctx < 0: rows of 1k..15k tokens, mean -ctx
@@ -211,8 +217,9 @@ def main() -> None:
     plan = [  # (context, rows, [(engine, scheme, kernel)]): the cases that matter most first
         (512, 1, [("mlx-lm", "bf16", None), ("mlxkv", "full", False), ("mlxkv", "affine:4", False),
                   ("mlxkv", "affine:4", "default"), ("mlxkv", "affine:4", True)]),
-        (8192, 16, [("mlxkv", "full", False), ("mlxkv", "affine:4", False), ("mlxkv", "affine:4", True)]),
-        (-8192, 16, [("mlxkv", "full", False), ("mlxkv", "affine:4", True)]),  # uneven rows, mean 8k
+        (8192, 16, [("mlxkv", "full", False), ("mlxkv", "affine:4", False), ("mlxkv", "affine:4", True),
+                    ("mlxkv", "affine:4", "paged")]),
+        (-8192, 16, [("mlxkv", "full", False), ("mlxkv", "affine:4", True), ("mlxkv", "affine:4", "paged")]),  # uneven, mean 8k
         (32768, 1, [("mlx-lm", "bf16", None), ("mlxkv", "full", False), ("mlxkv", "affine:4", False),
                     ("mlxkv", "affine:4", True), ("mlxkv", "affine:8", True), ("mlxkv", "turbo:k4v3", False),
                     ("mlxkv", "turbo:k4v3", True), ("mlx-lm", "affine:4", None)]),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from kvcore.attention.cuda_launch import Plan, Side
+from kvcore.attention.cuda_launch import PAGE, Plan, Side
 
 NEG = np.float32(-1e30)
 
@@ -80,6 +80,7 @@ def emulate_partials(q: mx.array, launch, plan: Plan, scale: float, heads: int, 
     vals = decoded(plan.value, launch.v_arrays, launch.v_book)[:, launch.v_head :]  # joint storage: V from head Hkv
     G = ks.shape[-1]
     rows = np.array(launch.rows)
+    table = None if getattr(launch, "table", None) is None else np.array(launch.table)  # paged: arrays are pages
     m = np.full((B, heads, nsplit, QV), NEG, np.float32)
     l = np.zeros((B, heads, nsplit, QV), np.float32)
     acc = np.zeros((B, heads, nsplit, QV, plan.value.dim), np.float32)
@@ -90,21 +91,24 @@ def emulate_partials(q: mx.array, launch, plan: Plan, scale: float, heads: int, 
             qg = qf[b, h].reshape(QV, G, -1)  # (QV, groups, per group)
             for sp in range(nsplit):
                 t_begin = max(sp * chunk, max(lo0, 0))
+                if table is not None:  # tiles start on tile boundaries: none straddles a page
+                    t_begin = t_begin // tile * tile
                 t_end = min(sp * chunk + chunk, min(hi0 + N - 1, cnt))
                 m_run, l_run = np.full(QV, NEG, np.float32), np.zeros(QV, np.float32)
                 a = np.zeros((QV, plan.value.dim), np.float32)
                 for t0 in range(t_begin, t_end, tile):
                     js = np.arange(t0, min(t0 + tile, t_end))
-                    kg = kx[b, h, js].reshape(len(js), G, -1)  # (T, groups, per group)
+                    src, at = (b, js) if table is None else (table[b, t0 // PAGE], t0 % PAGE + js - t0)
+                    kg = kx[src, h, at].reshape(len(js), G, -1)  # (T, groups, per group)
                     dots = np.einsum("vge,tge->vtg", qg, kg)  # per group: sum q code
-                    s = (dots * ks[b, h, js][None] + kb[b, h, js][None] * qg.sum(-1)[:, None]).sum(-1)
+                    s = (dots * ks[src, h, at][None] + kb[src, h, at][None] * qg.sum(-1)[:, None]).sum(-1)
                     ok = (js[None] >= lo0 + n_of[:, None]) & (js[None] < np.minimum(hi0 + n_of[:, None], cnt))
                     s = np.where(ok, s, NEG)
                     mn = np.maximum(m_run, s.max(axis=1))
                     corr = np.exp(m_run - mn)
                     p = np.where(s > NEG / 2, np.exp(s - mn[:, None]), 0.0).astype(np.float32)
                     l_run = l_run * corr + p.sum(axis=1)
-                    a = a * corr[:, None] + p @ vals[b, h, js]
+                    a = a * corr[:, None] + p @ vals[src, h, at]
                     m_run = mn
                 m[b, h, sp], l[b, h, sp], acc[b, h, sp] = m_run, l_run, a
     return m, l, acc
@@ -128,6 +132,6 @@ def emulate_merge(parts: list, q_shape, rep: int, sinks: mx.array | None) -> np.
 
 def emulate(q: mx.array, launches: list, heads: int, scale: float, sinks=None) -> np.ndarray:
     rep = q.shape[1] // heads
-    plans = [Plan(L.key, L.value, rep, q.shape[2]) for L in launches]
+    plans = [Plan(L.key, L.value, rep, q.shape[2], getattr(L, "table", None) is not None) for L in launches]
     parts = [emulate_partials(q, L, p, scale, heads) for L, p in zip(launches, plans)]
     return emulate_merge(parts, q.shape, rep, sinks)

@@ -102,7 +102,7 @@ def test_launch_arithmetic(plan):
 def test_every_constant_the_source_reads_is_in_the_template():
     plan = PLANS[0]
     names = {n for n, _ in plan.template}
-    used = set(re.findall(r"\b([A-Z][A-Z0-9_]{1,})\b", cuda_source.SOURCE)) - {"NEG", "QVT", "NWARP", "CHUNK", "NSPLIT", "VH", "HQ", "D4"}
+    used = set(re.findall(r"\b([A-Z][A-Z0-9_]{1,})\b", cuda_source.SOURCE)) - {"NEG", "QVT", "NWARP", "CHUNK", "NSPLIT", "VH", "PTW", "HQ", "D4"}
     used -= {"FUSED", "HAS_SINK", "OT"}  # per kernel object, beside the plan's (cuda_kernels._kernel)
     assert used <= names, used - names
     assert {f"OFF_{k}" for k in plan.layout if k != "TOTAL"} <= used
@@ -252,3 +252,51 @@ def test_kernel_default_follows_the_backend_and_the_environment(monkeypatch):
     assert AttentionConfig().cuda_min_tokens == 8192
     with pytest.raises(MlxkvError, match="cuda_min_tokens"):
         AttentionConfig(cuda_min_tokens=-1)
+
+
+@pytest.mark.parametrize("spec", [("affine", 4, 4), ("affine", 8, 3), ("turbo", 4, 3), ("full", None, None)])
+def test_emulated_kernel_over_paged_rows(spec):
+    """Paged rows (shuffled pages after a leave and a join, uneven lengths, 1 and 3 queries): the launch
+    reads each tile's page through the block table and equals the portable attention."""
+    name, kb, vb = spec
+    mx.random.seed(9)
+    paged = AttentionConfig(cuda_kernel=False, qmm=False, paged=True)
+
+    def row(n):
+        c = CompressedKVCache(_spec(name, kb), _spec(name, vb), start=0, attention=paged)
+        c.update_and_fetch(mx.random.normal((1, 2, n, 64)), mx.random.normal((1, 2, n, 64)))
+        return c
+
+    batch = BatchCompressedKVCache([row(n) for n in (5, 300, 130)])
+    batch.update_and_fetch(mx.random.normal((3, 2, 1, 64)), mx.random.normal((3, 2, 1, 64)))
+    batch.filter([0, 2])
+    batch.extend(BatchCompressedKVCache([row(260)]))
+    for N in (1, 3):
+        pv, _ = batch.update_and_fetch(mx.random.normal((3, 2, N, 64)), mx.random.normal((3, 2, N, 64)))
+        q = mx.random.normal((3, 8, N, 64))
+        want = blockwise.packed_attention(q, pv, 0.125, None)
+        rot = shared_rotation(pv)
+        qr, rv = (q, pv) if rot is None else (rot.forward(q), rotate_view(pv, rot))
+        launches = cuda_decode.paged_launches(qr, rv)
+        assert launches is not None and launches[0].table is not None and launches[0].columns == pv.pages * 128
+        got = mx.array(emulate(qr, launches, 2, 0.125))
+        got = got if rot is None else rot.inverse(got)
+        assert np.allclose(np.array(got), np.array(want), atol=2e-5, rtol=1e-4), N
+
+
+def test_the_device_check_of_a_paged_plan_is_the_portable_attention():
+    """A paged plan's check: the same random tokens in shuffled pages, and a lower bound off a tile edge
+    on the second row (the kernel starts tiles on tile edges there and masks the rest)."""
+    from kvcore.attention.cuda_check import check_inputs
+
+    plan = Plan(Side("affine", 4, 32, 64), Side("affine", 8, 64, 64), 2, 2, paged=True)
+    q, launch, ref, sinks, scale, split = check_inputs(plan, mx.float32)
+    assert launch.table is not None and launch.k_arrays[0].shape[2] == 128
+    got = emulate_merge_split(q, launch, plan, scale, sinks, split)
+    assert np.allclose(got, np.array(ref), atol=2e-5, rtol=1e-4)
+
+
+def emulate_merge_split(q, launch, plan, scale, sinks, split):
+    from tests.cuda_emulation import emulate_merge, emulate_partials
+
+    return emulate_merge([emulate_partials(q, launch, plan, scale, 2, split)], q.shape, plan.rep, sinks)

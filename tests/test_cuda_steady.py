@@ -34,9 +34,11 @@ class _EmulatedDecode:
         self.calls = 0
 
     def __call__(self, *, inputs, grid, threadgroup, output_shapes, output_dtypes, **_):
-        q, kw, ks, kb, vw, vs, vb, kbook, vbook, rows, ints, scale, _ctr, _base, sinks = inputs
-        chunk, nsplit, v_head = np.array(ints).tolist()
-        launch = Launch(self.plan.key, self.plan.value, (kw, ks, kb), (vw, vs, vb), kbook, vbook, rows, 0, v_head)
+        q, kw, ks, kb, vw, vs, vb, kbook, vbook, rows, ints, scale, _ctr, _base, sinks, table = inputs
+        chunk, nsplit, v_head, width = np.array(ints).tolist()
+        assert (width > 0) == self.plan.paged and (not width or tuple(table.shape) == (q.shape[0], width))
+        launch = Launch(self.plan.key, self.plan.value, (kw, ks, kb), (vw, vs, vb), kbook, vbook, rows, 0, v_head,
+                        table if width else None)
         parts = emulate_partials(q, launch, self.plan, float(scale.item()), grid[1], split=(chunk, nsplit))
         out = [mx.array(p) for p in parts]
         assert [tuple(a.shape) for a in out] == [tuple(s) for s in output_shapes[:3]]
@@ -124,6 +126,34 @@ def test_packed_rows_launch_from_their_recipe(emulated):
     assert any(k[0] == "packed kernel" for k in batch.packed.template.memo if isinstance(k, tuple))
 
 
+def test_paged_rows_reach_the_kernel_through_their_block_table(emulated):
+    """Paged rows with the kernel on ("CUDA"): attention goes to one launch over the pages (the table
+    and its width among the inputs), equal to the portable attention, as rows grow, leave and join."""
+    mx.random.seed(8)
+    cfg = AttentionConfig(cuda_kernel=True, cuda_min_tokens=0, paged=True)
+
+    def row(n):
+        c = CompressedKVCache(CodecSpec("affine", 4, 32), start=0, attention=cfg)
+        c.update_and_fetch(mx.random.normal((1, 2, n, 64)), mx.random.normal((1, 2, n, 64)))
+        return c
+
+    batch = BatchCompressedKVCache([row(n) for n in (5, 300, 130)])
+    for step in range(4):
+        if step == 1:
+            batch.filter([0, 2])
+        if step == 2:
+            batch.extend(BatchCompressedKVCache([row(129)]))
+        B = batch.batch_size
+        pv, _ = batch.update_and_fetch(mx.random.normal((B, 2, 1, 64)), mx.random.normal((B, 2, 1, 64)))
+        assert type(pv).__name__ == "PagedView"
+        q = mx.random.normal((B, 8, 1, 64))
+        got = _sdpa(q, pv, pv, batch, 0.125, None)
+        want = blockwise.packed_attention(q, pv.packed(), 0.125, None, config=PORTABLE)
+        assert _close(got, want), step
+    assert batch.packed.template.stats.calls.get("cuda-kernel") == 4
+    assert len(emulated) == 4 and all(f for f, _, _ in emulated)  # one fused launch a step
+
+
 def test_a_view_that_is_not_steady_takes_the_general_path(emulated):
     """Recent tokens (a dense segment beside the encoded one): no recipe, the general launches."""
     mx.random.seed(3)
@@ -158,3 +188,30 @@ def test_the_real_kernel_from_its_recipes(dtype):
         got = _sdpa(q, pv, pv, batch, 0.088, None)
         assert mx.allclose(got, blockwise.packed_attention(q, pv, 0.088, None, config=PORTABLE), **tol).item()
     assert cache.stats.calls.get("cuda-kernel") == 3 and rows[0].stats.calls.get("cuda-kernel") == 3
+
+
+@pytest.mark.skipif(backend_name() != "cuda", reason="the real kernel runs on the CUDA backend only")
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32], ids=["bf16", "f32"])
+def test_the_real_kernel_over_paged_rows(dtype):
+    """On CUDA: paged rows (shuffled pages after a leave and a join) through the block table == portable."""
+    mx.random.seed(12)
+    cfg = AttentionConfig(cuda_kernel=True, cuda_min_tokens=0, paged=True)
+    tol = {"atol": 2e-2, "rtol": 2e-2} if dtype == mx.bfloat16 else {"atol": 2e-5, "rtol": 1e-4}
+
+    def row(n):
+        c = CompressedKVCache(CodecSpec("affine", 4, 64), start=0, attention=cfg)
+        c.update_and_fetch(*(mx.random.normal((1, 8, n, 128)).astype(dtype) for _ in range(2)))
+        return c
+
+    batch = BatchCompressedKVCache([row(n) for n in (700, 5, 1030)])
+    for step in range(3):
+        if step == 1:
+            batch.filter([0, 2])
+            batch.extend(BatchCompressedKVCache([row(300)]))
+        B = batch.batch_size
+        pv, _ = batch.update_and_fetch(*(mx.random.normal((B, 8, 1, 128)).astype(dtype) for _ in range(2)))
+        q = mx.random.normal((B, 32, 1, 128)).astype(dtype)
+        got = _sdpa(q, pv, pv, batch, 0.088, None)
+        want = blockwise.packed_attention(q, pv.packed(), 0.088, None, config=PORTABLE)
+        assert mx.allclose(got, want, **tol).item(), step
+    assert batch.packed.template.stats.calls.get("cuda-kernel") == 3

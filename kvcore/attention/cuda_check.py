@@ -17,7 +17,7 @@ from ..codecs import CodecSpec
 from ..codecs.affine import AffineCodec
 from ..codecs.turbo import TurboCodec
 from .blockwise import reference_attention
-from .cuda_launch import BIG, Plan, Side
+from .cuda_launch import BIG, PAGE, Plan, Side
 
 TOLERANCE = {"float32": 1e-4, "float16": 3e-3, "bfloat16": 1.5e-2}  # |out - ref| / |ref|
 HEADS = 2
@@ -65,8 +65,30 @@ def check_inputs(plan: Plan, q_dtype, seed: int = 0):
         mask = ((j >= lo + n) & (j < mx.minimum(hi + n, cnt)))[:, None]  # (B, 1, N, T)
         ref = reference_attention(q.astype(mx.float32), kd, vd, scale, mask, sinks)
         mx.eval(ref)
+    if plan.paged:  # the same tokens in pages of one pool, the pages shuffled, found through a table
+        ka, va, table = paged_copy(ka, va, T, keys[3])
+        launch = Launch(plan.key, plan.value, ka, va, kbook, vbook, rows, table.shape[1] * PAGE, table=table)
+        return q, launch, ref, sinks, scale, (plan.tile, -(-(table.shape[1] * PAGE) // plan.tile))
     launch = Launch(plan.key, plan.value, ka, va, kbook, vbook, rows, T)
     return q, launch, ref, sinks, scale, (plan.tile, -(-T // plan.tile))
+
+
+def paged_copy(ka: tuple, va: tuple, T: int, key) -> tuple[tuple, tuple, mx.array]:
+    """Rows' arrays (B, H, T, ...) -> the same in pages (P, H, PAGE, ...) in a shuffled order, and the
+    (B, pages) table that finds them."""
+    B = ka[0].shape[0]
+    n = -(-T // PAGE)
+    order = mx.random.permutation(B * n, key=key)  # page i of the pool holds the rows' page order[i]
+    table = mx.argsort(order).astype(mx.int32).reshape(B, n)
+
+    def pages(a):
+        if a.ndim != 4:  # a dummy
+            return a
+        a = mx.pad(a, [(0, 0), (0, 0), (0, n * PAGE - a.shape[2]), (0, 0)])
+        a = a.reshape(B, a.shape[1], n, PAGE, a.shape[3]).transpose(0, 2, 1, 3, 4).reshape(B * n, a.shape[1], PAGE, -1)
+        return a[order]
+
+    return tuple(pages(a) for a in ka), tuple(pages(a) for a in va), table
 
 
 def check_plan(plan: Plan, q_dtype, seed: int = 0) -> str | None:

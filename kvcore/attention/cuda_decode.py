@@ -42,6 +42,7 @@ from .cuda_launch import (
     BIG,
     DENSE_TYPES,
     MAX_QUERIES,
+    PAGE,
     Plan,
     Side,
     token_bounds,
@@ -173,6 +174,23 @@ def packed_launches(q: mx.array, view) -> list[Launch] | None:
     return [Launch(*sides, _packed_rows(view.q_start, view.n_queries), view.capacity, vh)]
 
 
+def paged_launches(q: mx.array, view) -> list[Launch] | None:
+    """A PagedView (rows of one layer in pages (P, H', PAGE, ...) of one pool, a block table per row)
+    as one launch: the kernel finds each tile's page in the table."""
+    if not _rotation_ok(view.rotation, view.key_codec, view.value_codec):
+        return None
+    pool = view.pool
+    if view.joint:
+        keys, values, vh = pool, pool, view.heads
+    else:
+        keys, values, vh = pool[: view.n_key_parts], pool[view.n_key_parts :], 0
+    sides = _sides(view.key_codec, view.value_codec, keys, values, (view.head_dim, view.value_dim),
+                   view.rotation is not None)
+    if sides is None:
+        return None
+    return [Launch(*sides, _packed_rows(view.q_start, view.n_queries), view.pages * PAGE, vh, view.table)]
+
+
 def _packed_rows(q_start: mx.array, n_queries: int) -> mx.array:
     """(B, 3) bounds (-BIG, q + 1, q + N) of packed rows, made once per step (cache.packed.per_step)."""
     def make():
@@ -183,8 +201,8 @@ def _packed_rows(q_start: mx.array, n_queries: int) -> mx.array:
 
 
 @cache
-def plan_for(key: Side, value: Side, rep: int, n_queries: int) -> Plan:
-    return Plan(key, value, rep, n_queries)
+def plan_for(key: Side, value: Side, rep: int, n_queries: int, paged: bool = False) -> Plan:
+    return Plan(key, value, rep, n_queries, paged)
 
 
 def attend(q: mx.array, launches: list[Launch] | None, heads: int, scale: float, sinks) -> mx.array | None:
@@ -196,7 +214,7 @@ def attend(q: mx.array, launches: list[Launch] | None, heads: int, scale: float,
     if N > MAX_QUERIES or Hq % heads or q.dtype not in Q_TYPES:
         return None
     rep = Hq // heads
-    plans = [plan_for(L.key, L.value, rep, N) for L in launches]
+    plans = [plan_for(L.key, L.value, rep, N, L.table is not None) for L in launches]
     if any(not admitted(p, q.dtype) for p in plans) or len({p.value.dim for p in plans}) > 1:
         return None
     if len(launches) == 1 and fusable(plans[0], B, heads, launches[0].columns):
@@ -245,7 +263,7 @@ def _recipe(q: mx.array, launches: list[Launch] | None, heads: int) -> tuple | N
     if Hq % heads or q.dtype not in Q_TYPES:
         return None
     L = launches[0]
-    plan = plan_for(L.key, L.value, Hq // heads, N)
+    plan = plan_for(L.key, L.value, Hq // heads, N, L.table is not None)
     if not admitted(plan, q.dtype):
         return None
     return plan, (L.key, L.k_book), (L.value, L.v_book), {}
@@ -265,6 +283,13 @@ def packed_attention(q: mx.array, view, scale: float, sinks=None) -> mx.array | 
     if recipe is None:
         return None
     return joint_launch(q, recipe, view.joint, _packed_rows(view.q_start, N), view.capacity, view.heads, scale, sinks)
+
+
+def paged_attention(q: mx.array, view, scale: float, sinks=None) -> mx.array | None:
+    """kvcore.attention.paged's kernel branch for a PagedView: the output, or None."""
+    if backend_name() != "cuda" or q.shape[2] > MAX_QUERIES:
+        return None
+    return attend(q, paged_launches(q, view), view.heads, scale, sinks)
 
 
 # -- admission: each plan checked once on the device ---------------------------------------------

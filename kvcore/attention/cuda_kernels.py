@@ -36,6 +36,7 @@ class Launch:
     rows: mx.array  # (B, 3) int32: lo0, hi0, count (columns of this segment)
     columns: int  # most tokens a row holds here (host int): sizes the splits
     v_head: int = 0  # the value arrays' first head (joint storage: the key arrays, from head Hkv on)
+    table: mx.array | None = None  # paged: (B, width) int32 block table; the arrays are pages (P, H', PAGE, ...)
 
 
 def _const(key, make):
@@ -142,12 +143,17 @@ def partials(q: mx.array, launch: Launch, plan: Plan, scale: float, heads: int, 
     sk = _sinks(sinks)
     return _kernel(plan, fused, sinks is not None, q.dtype)(
         inputs=[q, *launch.k_arrays, *launch.v_arrays, launch.k_book, launch.v_book, launch.rows,
-                _ints(chunk, nsplit, launch.v_head), _scale(scale),
-                _counters() if fused else dummy(mx.int32), _ints(base), sk],
+                _ints(chunk, nsplit, launch.v_head, table_width(launch)), _scale(scale),
+                _counters() if fused else dummy(mx.int32), _ints(base), sk,
+                dummy(mx.int32) if launch.table is None else launch.table],
         grid=grid, threadgroup=(THREADS, 1, 1),
         output_shapes=[*shapes, (B, Hq, N, plan.value.dim) if fused else (1,)],
         output_dtypes=[mx.float32] * 3 + [q.dtype],
     )
+
+
+def table_width(launch: Launch) -> int:
+    return 0 if launch.table is None else launch.table.shape[1]
 
 
 def merge(q: mx.array, parts: list, rep: int, value_dim: int, sinks: mx.array | None) -> mx.array:
@@ -185,7 +191,7 @@ def joint_launch(q: mx.array, recipe: tuple, joint, rows: mx.array, columns: int
         launch = Launch(ks, vs, joint.arrays, joint.arrays, kb, vb, rows, columns, joint.heads)
         return merge(q, [partials(q, launch, plan, scale, heads)], plan.rep, plan.value.dim, sinks)
     return kernel(inputs=[q, w, sc, bi, w, sc, bi, kb, vb, rows, ints, _scale(scale), _counters(),
-                          _ints(_next_slot()), _sinks(sinks)],
+                          _ints(_next_slot()), _sinks(sinks), dummy(mx.int32)],
                   grid=grid, threadgroup=(THREADS, 1, 1), output_shapes=shapes, output_dtypes=_FUSED_DTYPES[q.dtype])[3]
 
 
@@ -198,4 +204,4 @@ def _joint_geometry(plan: Plan, B: int, heads: int, tiles: int, has_sink: bool, 
     chunk, nsplit, grid, shapes = _geometry(plan, B, heads, tiles)
     fused = B * heads * plan.nqc <= SLOT and plan.merges_in_launch(nsplit)
     out = (B, heads * plan.rep, plan.n_queries, plan.value.dim)
-    return _kernel(plan, True, has_sink, q_dtype), grid, [*shapes, out], _ints(chunk, nsplit, heads), fused
+    return _kernel(plan, True, has_sink, q_dtype), grid, [*shapes, out], _ints(chunk, nsplit, heads, 0), fused

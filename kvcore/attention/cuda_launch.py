@@ -101,17 +101,21 @@ def vectors_per_block(qv: int) -> int:
     return max(d for d in range(1, MAX_VECTORS + 1) if qv % d == 0)
 
 
+PAGE = 128  # tokens per page of paged rows (kvcore/cache/paged.py): a multiple of every tile
+
+
 @dataclass(frozen=True)
 class Plan:
     key: Side
     value: Side
     rep: int  # query heads per KV head
     n_queries: int
+    paged: bool = False  # K/V in pages (P, H', PAGE, ...) found through a block table per row
 
     def __hash__(self) -> int:
         h = self.__dict__.get("_hash")
         if h is None:
-            h = hash((self.key, self.value, self.rep, self.n_queries))
+            h = hash((self.key, self.value, self.rep, self.n_queries, self.paged))
             object.__setattr__(self, "_hash", h)
         return h
 
@@ -208,7 +212,7 @@ class Plan:
              ("KK", KINDS[k.kind]), ("KB", k.bits), ("KG", k.group), ("KNG", k.groups), ("KRW", k.words),
              ("KMS", k.meta_stride), ("KDT", k.dtype_code),
              ("VK", KINDS[v.kind]), ("VB", v.bits), ("VG", v.group), ("VNG", v.groups), ("VRW", v.words),
-             ("VMS", v.meta_stride), ("VDT", v.dtype_code)]
+             ("VMS", v.meta_stride), ("VDT", v.dtype_code), ("PAGED", self.paged), ("PAGE", PAGE)]
         return t + [("OFF_" + name, off) for name, off in self.layout.items() if name != "TOTAL"]
 
     def splits(self, columns: int, rows: int, heads: int) -> tuple[int, int]:

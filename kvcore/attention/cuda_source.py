@@ -167,7 +167,8 @@ __device__ __forceinline__ float warp_sum(float x) {
 }
 """
 
-INPUTS = ["q", "kw", "ks", "kb", "vw", "vs", "vb", "kcb", "vcb", "rows", "dims", "fscale", "ctr", "slot", "sinks"]
+INPUTS = ["q", "kw", "ks", "kb", "vw", "vs", "vb", "kcb", "vcb", "rows", "dims", "fscale", "ctr", "slot", "sinks",
+          "ptab"]
 OUTPUTS = ["m_out", "l_out", "acc_out", "out"]
 
 # grid (nsplit * NQC * THREADS, Hkv, B); block (THREADS): one (split, query chunk, KV head, row).
@@ -194,9 +195,10 @@ SOURCE = r"""
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int qc = blockIdx.x % NQC, split = blockIdx.x / NQC, h = blockIdx.y, b = blockIdx.z;
-  const int CHUNK = dims[0], NSPLIT = dims[1], VH = dims[2];
+  const int CHUNK = dims[0], NSPLIT = dims[1], VH = dims[2], PTW = dims[3];
   const int lo0 = rows[3 * b], hi0 = rows[3 * b + 1], cnt = rows[3 * b + 2];
-  const int t_begin = max(split * CHUNK, max(lo0, 0));
+  // paged: tiles start on tile boundaries, so none straddles a page (PAGE is a multiple of TT); the mask drops the rest
+  const int t_begin = PAGED ? max(split * CHUNK, max(lo0, 0)) / TT * TT : max(split * CHUNK, max(lo0, 0));
   const int t_end = min(split * CHUNK + CHUNK, min(hi0 + NQ - 1, cnt));
   const float scale = fscale[0];
 
@@ -237,10 +239,14 @@ SOURCE = r"""
 
   for (int t0 = t_begin; t0 < t_end; t0 += TT) {
     const int nt = min(TT, t_end - t0);
-    load_rows<KRW, TT, THREADS>(kt, kbase, ktb, t0, nt, tid);
-    load_rows<VRW, TT, THREADS>(vt, vbase, vtb, t0, nt, tid);
-    load_meta<KK, KNG, KMS, TT, THREADS>(km, ks, kb, ks_strides.data(), kb_strides.data(), b, h, t0, nt, tid);
-    load_meta<VK, VNG, VMS, TT, THREADS>(vm, vs, vb, vs_strides.data(), vb_strides.data(), b, h + VH, t0, nt, tid);
+    int pb = b, pt0 = t0;  // paged: the tile's page (the block table) and its first token in it
+    if constexpr (PAGED) { pb = ptab[b * PTW + t0 / PAGE]; pt0 = t0 % PAGE; }
+    const unsigned char* kpage = PAGED ? row_base(kw, sizeof(*kw), kw_strides.data(), pb, h) : kbase;
+    const unsigned char* vpage = PAGED ? row_base(vw, sizeof(*vw), vw_strides.data(), pb, h + VH) : vbase;
+    load_rows<KRW, TT, THREADS>(kt, kpage, ktb, pt0, nt, tid);
+    load_rows<VRW, TT, THREADS>(vt, vpage, vtb, pt0, nt, tid);
+    load_meta<KK, KNG, KMS, TT, THREADS>(km, ks, kb, ks_strides.data(), kb_strides.data(), pb, h, pt0, nt, tid);
+    load_meta<VK, VNG, VMS, TT, THREADS>(vm, vs, vb, vs_strides.data(), vb_strides.data(), pb, h + VH, pt0, nt, tid);
     __syncthreads();
 
     // scores: one token per thread, every query vector of the block

@@ -7,8 +7,9 @@ scores[b, h, j] = q[b, h] . K[table[b, j], h]^T          (B, H, pages, rep*N, PA
 softmax over (pages, PAGE) per query, masked by each row's positions (and the sinks' logits)
 out[b, h]      = sum_j p[b, h, j] . V[table[b, j], h]     (B, H, rep*N, Dv)
 ```
-Everything else (other codecs, rotated bases, CUDA) gathers the pages into packed rows and
-attends as packed.py's rows do; that path stays the reference this one is tested against.
+On CUDA the decode kernel reads the pages through the block table (`cuda_decode.paged_launches`: each
+tile's page looked up once). Everything else (other codecs, rotated bases) gathers the pages into
+packed rows and attends as packed.py's rows do; that path stays the reference both are tested against.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..cache.paged import PAGE, PagedView
-from . import qmm
+from . import cuda_decode, qmm
 from .blockwise import packed_attention
 from .config import DEFAULT, AttentionConfig
 
@@ -82,6 +83,12 @@ def gather_qmm_attention(q: mx.array, view: PagedView, scale: float, sinks: mx.a
 def paged_attention(q: mx.array, view: PagedView, scale: float, sinks: mx.array | None = None,
                     config: AttentionConfig | None = None) -> mx.array:
     cfg = config or view.config or DEFAULT
+    if cfg.accelerated and cfg.cuda_kernel and q.shape[0] * view.length >= cfg.cuda_min_tokens:
+        out = cuda_decode.paged_attention(q, view, scale, sinks)  # CUDA: the kernel reads the block table
+        if out is not None:
+            if view.stats is not None:
+                view.stats.record("cuda-kernel")
+            return out
     if (cfg.accelerated and cfg.qmm and view.rotation is None
             and qmm.applies(q, view.key_codec, view.value_codec, False)):
         if view.stats is not None:
