@@ -19,7 +19,7 @@ not to encode).
     python scripts/host_step.py [--kinds mlx-lm,default,kernel,packed-kernel] [--layers 32] [--context 500]
 
 Kinds: mlx-lm, default (the shipped config), portable (every kernel off), kernel (forced at every
-length), packed-kernel / packed-portable (4 packed rows), paged (4 paged rows, portable reads).
+length), packed-kernel / packed-portable (4 packed rows), paged / paged-kernel (4 paged rows).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from pathlib import Path
 import mlx.core as mx
 
 OUT = Path(os.environ.get("OUT", "gpu-out"))
-KINDS = ("mlx-lm", "default", "portable", "kernel", "packed-kernel", "packed-portable", "paged")
+KINDS = ("mlx-lm", "default", "portable", "kernel", "packed-kernel", "packed-portable", "paged", "paged-kernel")
 
 
 def stand_in() -> None:
@@ -68,8 +68,10 @@ def caches(kind: str, layers: int, rows: int, context: int, heads: int, dim: int
     from kvcore.codecs import CodecSpec
 
     att = {"default": AttentionConfig(), "portable": AttentionConfig(cuda_kernel=False, paged=False),
-           "paged": AttentionConfig(cuda_kernel=False, paged=True)}.get(
-        kind.removeprefix("packed-"), AttentionConfig(cuda_kernel=True, cuda_min_tokens=0, paged=False))
+           "paged": AttentionConfig(cuda_kernel=False, paged=True),
+           "paged-kernel": AttentionConfig(cuda_kernel=True, cuda_min_tokens=0, paged=True)}.get(
+        kind if kind.startswith("paged") else kind.removeprefix("packed-"),
+        AttentionConfig(cuda_kernel=True, cuda_min_tokens=0, paged=False))
     out = []
     for _ in range(layers):
         made = []
@@ -141,7 +143,7 @@ def main() -> None:
     for k in kinds:
         if k not in KINDS:
             raise SystemExit(f"unknown kind {k!r} (known: {', '.join(KINDS)})")
-    batched = lambda k: k.startswith("packed") or k == "paged"
+    batched = lambda k: k.startswith(("packed", "paged"))
     sets = {k: caches(k, a.layers, a.rows if batched(k) else 1, a.context, heads, dim, dtype) for k in kinds}
     shape = {k: (a.rows if batched(k) else 1, heads, dim, q_heads, dtype) for k in kinds}
     best: dict = {}
