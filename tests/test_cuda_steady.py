@@ -152,6 +152,7 @@ def test_paged_rows_reach_the_kernel_through_their_block_table(emulated):
         assert _close(got, want), step
     assert batch.packed.template.stats.calls.get("cuda-kernel") == 4
     assert len(emulated) == 4 and all(f for f, _, _ in emulated)  # one fused launch a step
+    assert any(isinstance(k, tuple) and k[0] == "paged kernel" for k in batch.packed.template.memo)  # from the recipe
 
 
 def test_a_view_that_is_not_steady_takes_the_general_path(emulated):

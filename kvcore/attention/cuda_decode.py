@@ -24,7 +24,7 @@ import mlx.core as mx
 
 from ..backend import backend_name
 from ..cache.packed import per_step
-from ..cache.view import DENSE, ENCODED
+from ..cache.view import DENSE, ENCODED, Joint
 from ..codecs import CodecSpec
 from ..codecs.affine import AffineCodec
 from ..codecs.turbo import TurboCodec
@@ -286,10 +286,21 @@ def packed_attention(q: mx.array, view, scale: float, sinks=None) -> mx.array | 
 
 
 def paged_attention(q: mx.array, view, scale: float, sinks=None) -> mx.array | None:
-    """kvcore.attention.paged's kernel branch for a PagedView: the output, or None."""
+    """kvcore.attention.paged's kernel branch for a PagedView: the output, or None. Joint storage
+    launches from the rows' recipe (kept in their memo, as packed rows do)."""
     if backend_name() != "cuda" or q.shape[2] > MAX_QUERIES:
         return None
-    return attend(q, paged_launches(q, view), view.heads, scale, sinks)
+    if view.memo is None or not view.joint:
+        return attend(q, paged_launches(q, view), view.heads, scale, sinks)
+    _, Hq, N, _ = q.shape
+    key = ("paged kernel", q.dtype, Hq, N, view.rotation, sinks is not None)
+    recipe = view.memo.get(key, _MISS)
+    if recipe is _MISS:
+        recipe = view.memo[key] = _recipe(q, paged_launches(q, view), view.heads)
+    if recipe is None:
+        return None
+    return joint_launch(q, recipe, Joint(view.pool, view.heads), _packed_rows(view.q_start, N), view.pages * PAGE,
+                        view.heads, scale, sinks, view.table)
 
 
 # -- admission: each plan checked once on the device ---------------------------------------------

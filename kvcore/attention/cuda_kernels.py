@@ -177,31 +177,32 @@ def fusable(plan: Plan, B: int, heads: int, columns: int) -> bool:
 
 
 def joint_launch(q: mx.array, recipe: tuple, joint, rows: mx.array, columns: int, heads: int, scale: float,
-                  sinks) -> mx.array:
-    """The launch `attend` makes for one joint Launch(rows, columns), from its recipe."""
+                 sinks, table: mx.array | None = None) -> mx.array:
+    """The launch `attend` makes for one joint Launch(rows, columns[, table]), from its recipe."""
     B = q.shape[0]
     plan, (ks, kb), (vs, vb), geometry = recipe
     tiles = -(-columns // plan.tile)
-    geo = geometry.get((B, tiles))
+    width = 0 if table is None else table.shape[1]
+    geo = geometry.get((B, tiles, width))
     if geo is None:
-        geo = geometry[(B, tiles)] = _joint_geometry(plan, B, heads, tiles, sinks is not None, q.dtype)
+        geo = geometry[(B, tiles, width)] = _joint_geometry(plan, B, heads, tiles, sinks is not None, q.dtype, width)
     kernel, grid, shapes, ints, fused = geo
     w, sc, bi = joint.arrays
     if not fused:
-        launch = Launch(ks, vs, joint.arrays, joint.arrays, kb, vb, rows, columns, joint.heads)
+        launch = Launch(ks, vs, joint.arrays, joint.arrays, kb, vb, rows, columns, joint.heads, table)
         return merge(q, [partials(q, launch, plan, scale, heads)], plan.rep, plan.value.dim, sinks)
     return kernel(inputs=[q, w, sc, bi, w, sc, bi, kb, vb, rows, ints, _scale(scale), _counters(),
-                          _ints(_next_slot()), _sinks(sinks), dummy(mx.int32)],
+                          _ints(_next_slot()), _sinks(sinks), dummy(mx.int32) if table is None else table],
                   grid=grid, threadgroup=(THREADS, 1, 1), output_shapes=shapes, output_dtypes=_FUSED_DTYPES[q.dtype])[3]
 
 
 _FUSED_DTYPES = {dt: [mx.float32] * 3 + [dt] for dt in Q_TYPES}
 
 
-def _joint_geometry(plan: Plan, B: int, heads: int, tiles: int, has_sink: bool, q_dtype) -> tuple:
+def _joint_geometry(plan: Plan, B: int, heads: int, tiles: int, has_sink: bool, q_dtype, width: int = 0) -> tuple:
     """(kernel, grid, output shapes, (chunk, nsplit, v_head) array, fused) of a joint launch over
     `tiles` tiles, as `partials(..., fused=True)` makes them (joint V starts at head `heads`)."""
     chunk, nsplit, grid, shapes = _geometry(plan, B, heads, tiles)
     fused = B * heads * plan.nqc <= SLOT and plan.merges_in_launch(nsplit)
     out = (B, heads * plan.rep, plan.n_queries, plan.value.dim)
-    return _kernel(plan, True, has_sink, q_dtype), grid, [*shapes, out], _ints(chunk, nsplit, heads, 0), fused
+    return _kernel(plan, True, has_sink, q_dtype), grid, [*shapes, out], _ints(chunk, nsplit, heads, width), fused
