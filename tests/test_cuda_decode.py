@@ -192,16 +192,24 @@ def test_emulated_kernel_over_packed_rows_of_uneven_lengths(spec):
         rows.append(c)
     batch = BatchCompressedKVCache(rows)
     for N in (1, 3):
-        pv, _ = batch.update_and_fetch(mx.random.normal((3, 2, N, 64)), mx.random.normal((3, 2, N, 64)))
-        q = mx.random.normal((3, 8, N, 64))
-        want = blockwise.packed_attention(q, pv, 0.125, None)
-        rot = shared_rotation(pv)
-        qr, rv = (q, pv) if rot is None else (rot.forward(q), rotate_view(pv, rot))
-        launches = cuda_decode.packed_launches(qr, rv)
-        assert launches is not None and launches[0].columns == pv.key_parts[0].shape[2]  # the capacity
-        got = mx.array(emulate(qr, launches, 2, 0.125))
-        got = got if rot is None else rot.inverse(got)
-        assert np.allclose(np.array(got), np.array(want), atol=2e-5, rtol=1e-4), N
+        pv, launches = _emulated_batch_step(batch, N, cuda_decode.packed_launches)
+        assert launches[0].columns == pv.key_parts[0].shape[2]  # the capacity
+
+
+def _emulated_batch_step(batch, N: int, make_launches):
+    """One N-token step of a 3-row batch: the emulated launches `make_launches` builds (in the view's
+    rotated basis where it has one) == the portable attention; returns the view and the launches."""
+    pv, _ = batch.update_and_fetch(mx.random.normal((3, 2, N, 64)), mx.random.normal((3, 2, N, 64)))
+    q = mx.random.normal((3, 8, N, 64))
+    want = blockwise.packed_attention(q, pv, 0.125, None)
+    rot = shared_rotation(pv)
+    qr, rv = (q, pv) if rot is None else (rot.forward(q), rotate_view(pv, rot))
+    launches = make_launches(qr, rv)
+    assert launches is not None
+    got = mx.array(emulate(qr, launches, 2, 0.125))
+    got = got if rot is None else rot.inverse(got)
+    assert np.allclose(np.array(got), np.array(want), atol=2e-5, rtol=1e-4), N
+    return pv, launches
 
 
 def test_selection_falls_back_off_cuda_and_for_uncovered_layouts():
@@ -272,16 +280,8 @@ def test_emulated_kernel_over_paged_rows(spec):
     batch.filter([0, 2])
     batch.extend(BatchCompressedKVCache([row(260)]))
     for N in (1, 3):
-        pv, _ = batch.update_and_fetch(mx.random.normal((3, 2, N, 64)), mx.random.normal((3, 2, N, 64)))
-        q = mx.random.normal((3, 8, N, 64))
-        want = blockwise.packed_attention(q, pv, 0.125, None)
-        rot = shared_rotation(pv)
-        qr, rv = (q, pv) if rot is None else (rot.forward(q), rotate_view(pv, rot))
-        launches = cuda_decode.paged_launches(qr, rv)
-        assert launches is not None and launches[0].table is not None and launches[0].columns == pv.pages * 128
-        got = mx.array(emulate(qr, launches, 2, 0.125))
-        got = got if rot is None else rot.inverse(got)
-        assert np.allclose(np.array(got), np.array(want), atol=2e-5, rtol=1e-4), N
+        pv, launches = _emulated_batch_step(batch, N, cuda_decode.paged_launches)
+        assert launches[0].table is not None and launches[0].columns == pv.pages * 128
 
 
 def test_the_device_check_of_a_paged_plan_is_the_portable_attention():

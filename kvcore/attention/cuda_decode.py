@@ -240,18 +240,25 @@ def _steady(q: mx.array, view, scale: float, sinks) -> mx.array | None:
     settings (sides, codebooks, plan, its verdict, the kernel objects, each length's geometry) is
     derived once and kept in the cache's memo, so a step pays for the launch alone. The same
     launch as `attend(view_launches(...))`."""
-    B, Hq, N, _ = q.shape
+    B = q.shape[0]
     seg = view.segments[0]
     if seg.joint is None:
         return attend(q, view_launches(q, view), view.heads, scale, sinks)
-    key = ("kernel", q.dtype, Hq, N, seg.rotation, sinks is not None)
-    recipe = view.memo.get(key, _MISS)
-    if recipe is _MISS:
-        recipe = view.memo[key] = _recipe(q, view_launches(q, view), view.heads)
+    recipe = _kept_recipe(q, view, ("kernel", seg.rotation, sinks is not None), view_launches)
     if recipe is None:
         return None
     rows = _rows((-BIG, view.q_start + 1 - seg.start, seg.length), B)
     return joint_launch(q, recipe, seg.joint, rows, seg.length, view.heads, scale, sinks)
+
+
+def _kept_recipe(q: mx.array, view, name: tuple, launches) -> tuple | None:
+    """The recipe of this view's launch for queries like `q`, kept in the cache's memo under `name`
+    (made from `launches(q, view)` the first time)."""
+    key = (*name, q.dtype, q.shape[1], q.shape[2])
+    recipe = view.memo.get(key, _MISS)
+    if recipe is _MISS:
+        recipe = view.memo[key] = _recipe(q, launches(q, view), view.heads)
+    return recipe
 
 
 def _recipe(q: mx.array, launches: list[Launch] | None, heads: int) -> tuple | None:
@@ -275,14 +282,11 @@ def packed_attention(q: mx.array, view, scale: float, sinks=None) -> mx.array | 
         return None
     if view.memo is None or view.joint is None:
         return attend(q, packed_launches(q, view), view.heads, scale, sinks)
-    _, Hq, N, _ = q.shape
-    key = ("packed kernel", q.dtype, Hq, N, view.rotation, sinks is not None)
-    recipe = view.memo.get(key, _MISS)
-    if recipe is _MISS:
-        recipe = view.memo[key] = _recipe(q, packed_launches(q, view), view.heads)
+    recipe = _kept_recipe(q, view, ("packed kernel", view.rotation, sinks is not None), packed_launches)
     if recipe is None:
         return None
-    return joint_launch(q, recipe, view.joint, _packed_rows(view.q_start, N), view.capacity, view.heads, scale, sinks)
+    return joint_launch(q, recipe, view.joint, _packed_rows(view.q_start, q.shape[2]), view.capacity, view.heads,
+                        scale, sinks)
 
 
 def paged_attention(q: mx.array, view, scale: float, sinks=None) -> mx.array | None:
@@ -292,15 +296,11 @@ def paged_attention(q: mx.array, view, scale: float, sinks=None) -> mx.array | N
         return None
     if view.memo is None or not view.joint:
         return attend(q, paged_launches(q, view), view.heads, scale, sinks)
-    _, Hq, N, _ = q.shape
-    key = ("paged kernel", q.dtype, Hq, N, view.rotation, sinks is not None)
-    recipe = view.memo.get(key, _MISS)
-    if recipe is _MISS:
-        recipe = view.memo[key] = _recipe(q, paged_launches(q, view), view.heads)
+    recipe = _kept_recipe(q, view, ("paged kernel", view.rotation, sinks is not None), paged_launches)
     if recipe is None:
         return None
-    return joint_launch(q, recipe, Joint(view.pool, view.heads), _packed_rows(view.q_start, N), view.pages * PAGE,
-                        view.heads, scale, sinks, view.table)
+    return joint_launch(q, recipe, Joint(view.pool, view.heads), _packed_rows(view.q_start, q.shape[2]),
+                        view.pages * PAGE, view.heads, scale, sinks, view.table)
 
 
 # -- admission: each plan checked once on the device ---------------------------------------------

@@ -121,13 +121,6 @@ def launch(keys: mx.array, values: mx.array, bits: int, group: int, kernel=None)
 _OUT_DTYPES = [mx.uint32, mx.float16, mx.float16]
 
 
-def covers(codec, keys: mx.array, values: mx.array) -> bool:
-    """Whether this launch encodes these tokens for this codec here (CUDA, affine channel layout)."""
-    if keys.shape != values.shape or keys.dtype != values.dtype:
-        return False
-    return encoder(codec, keys.dtype, keys.shape[-1]) is not None
-
-
 def encoder(codec, dtype, dim: int):
     """`encode(keys, values)` -> joint parts through the launch, for this codec, input dtype and
     head dim here; None where the launch does not serve. Callers may keep it (it depends on

@@ -69,7 +69,21 @@ def packable(row: CompressedKVCache) -> bool:
             and row.block_tokens == 1 and row.tail.n == 0)
 
 
-def _signature(row: CompressedKVCache):
+def row_holding(template: CompressedKVCache, n: int, own: tuple) -> CompressedKVCache:
+    """A one-row cache with `template`'s settings holding `own`, its n tokens as a batch stored them
+    (encoded parts, or dense k, v for a full-precision layer)."""
+    row = template.like(1)
+    row.offset = n
+    if template.key_codec is not None:
+        row.enc.set(own)
+        row.enc_start, row.tail_start = 0, n
+    else:
+        row.tail.set(own)
+        row.enc_start = row.tail_start = 0
+    return row
+
+
+def signature(row: CompressedKVCache):
     return (row.key_spec, row.value_spec, row.shape_layout)
 
 
@@ -145,7 +159,7 @@ class PackedRows:
     # -- packing ------------------------------------------------------------
     @classmethod
     def pack(cls, rows: list[CompressedKVCache]) -> "PackedRows | None":
-        if not rows or not all(packable(r) for r in rows) or len({_signature(r) for r in rows}) > 1:
+        if not rows or not all(packable(r) for r in rows) or len({signature(r) for r in rows}) > 1:
             return None
         buffers = [(r.enc if r.key_codec is not None else r.tail) for r in rows]
         lengths = [r.offset for r in rows]
@@ -160,25 +174,13 @@ class PackedRows:
         return cls(rows[0], tuple(parts), lengths)
 
     def unpack(self) -> list[CompressedKVCache]:
-        rows = []
-        for b, n in enumerate(self.lengths):
-            t = self.template
-            row = t.like(1)
-            row.offset = n
-            own = tuple(mx.contiguous(p[b : b + 1, :, :n]) for p in self.parts)
-            if t.key_codec is not None:
-                row.enc.set(own)
-                row.enc_start, row.tail_start = 0, n
-            else:
-                row.tail.set(own)
-                row.enc_start = row.tail_start = 0
-            rows.append(row)
-        return rows
+        return [row_holding(self.template, n, tuple(mx.contiguous(p[b : b + 1, :, :n]) for p in self.parts))
+                for b, n in enumerate(self.lengths)]
 
     # -- decode -------------------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> PackedView:
         """keys: (B, H, N, D), each row's next N tokens, written at its own length."""
-        B, H, N, D = keys.shape
+        _, H, N, D = keys.shape
         t = self.template
         new = (keys, values) if t.key_codec is None else t.encode_tokens(keys, values)
         need = max(self.lengths) + N

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .compressed import CompressedKVCache
-from .packed import PackedView, device_lengths, packable
+from .packed import PackedView, device_lengths, packable, row_holding, signature
 from .view import Joint
 
 PAGE = 128  # tokens per page
@@ -64,8 +64,11 @@ def _write_rows(where: tuple, B: int, hp: int, N: int) -> mx.array:
     return ((pages * hp + h) * PAGE + slots).reshape(-1)
 
 
-def _signature(row: CompressedKVCache):
-    return (row.key_spec, row.value_spec, row.shape_layout)
+def _gather(part: mx.array, table: mx.array) -> mx.array:
+    """Pages (P, H', PAGE, ...) read through a (B, n) table -> rows (B, H', n * PAGE, ...)."""
+    B, n = table.shape
+    x = part[table.reshape(-1)].reshape(B, n, *part.shape[1:]).swapaxes(1, 2)
+    return x.reshape(B, part.shape[1], n * PAGE, *part.shape[3:])
 
 
 def _row_parts(row: CompressedKVCache) -> tuple:
@@ -103,10 +106,7 @@ class PagedView:
     def packed(self) -> PackedView:
         """The rows gathered into packed buffers (B, H', pages * PAGE, ...): for the paths that read
         contiguous rows."""
-        B, n = self.table.shape
-        flat = self.table.reshape(-1)
-        parts = tuple(p[flat].reshape(B, n, *p.shape[1:]).swapaxes(1, 2).reshape(B, p.shape[1], n * PAGE, *p.shape[3:])
-                      for p in self.pool)
+        parts = tuple(_gather(p, self.table) for p in self.pool)
         joint = Joint(parts, self.heads) if self.joint else None
         kp, vp = (None, None) if self.joint else (parts[: self.n_key_parts], parts[self.n_key_parts :])
         return PackedView(kp, vp, self.key_codec, self.value_codec, self.q_start, self.n_queries, self.length,
@@ -132,8 +132,8 @@ class PagedRows:
     def accepts(rows: list[CompressedKVCache], template: CompressedKVCache | None = None) -> bool:
         if not rows or not all(packable(r) for r in rows):
             return False
-        sig = _signature(template or rows[0])
-        return all(_signature(r) == sig for r in rows)
+        sig = signature(template or rows[0])
+        return all(signature(r) == sig for r in rows)
 
     @classmethod
     def pack(cls, rows: list[CompressedKVCache], ids: list | None = None) -> PagedRows | None:
@@ -275,19 +275,8 @@ class PagedRows:
     def unpack(self) -> list[CompressedKVCache]:
         rows = []
         for table, n in zip(self.tables, self.lengths):
-            t = self.template
-            row = t.like(1)
-            row.offset = n
-            idx = mx.array(table, dtype=mx.int32)
-            own = tuple(mx.contiguous(p[idx].swapaxes(0, 1).reshape(1, p.shape[1], len(table) * PAGE, *p.shape[3:])[:, :, :n])
-                        for p in self.pool)
-            if t.key_codec is not None:
-                row.enc.set(own)
-                row.enc_start, row.tail_start = 0, n
-            else:
-                row.tail.set(own)
-                row.enc_start = row.tail_start = 0
-            rows.append(row)
+            idx = mx.array([table], dtype=mx.int32)
+            rows.append(row_holding(self.template, n, tuple(mx.contiguous(_gather(p, idx)[:, :, :n]) for p in self.pool)))
         return rows
 
     # -- decode -------------------------------------------------------------
