@@ -16,8 +16,6 @@ Honours mlx-lm's cache protocol (`update_and_fetch`, `offset`, `make_mask`, `tri
 
 from __future__ import annotations
 
-import json
-
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
 
@@ -28,16 +26,15 @@ from ..backend import backend_name
 from ..codecs import CodecSpec, make_codec
 from . import rollback
 from .buffer import STEP, Buffer
-from .layout import DTYPES as _DTYPES
 from .layout import Layout
-from .layout import dtype_name as _dtype_name
+from .state import StateProtocol
 from .view import DENSE, ENCODED, SHADOW, Joint, KVView, Segment
 
 TRIM_STEP = 128  # a multiple of every block size, so dropping never splits a block
 JOINT_CONCAT_TOKENS = 16  # joint storage: runs up to this many tokens are encoded in one call
 CONVERT_PIECE = 4096  # tokens encoded per call when a layer's stored tokens are converted at once
 
-class CompressedKVCache(_BaseCache):
+class CompressedKVCache(StateProtocol, _BaseCache):
     def __init__(
         self,
         key_spec: CodecSpec,
@@ -286,92 +283,6 @@ class CompressedKVCache(_BaseCache):
             return Joint(self.enc.parts, self._dims[1]).halves(self.enc.n)
         parts = self.enc.get()
         return parts[: self._n_key_parts], parts[self._n_key_parts :]
-
-    @property
-    def state(self) -> tuple:
-        """Every stored array: sink (k, v), encoded key parts then value parts, tail (k, v)."""
-        enc = tuple(a for half in self._split_enc() for a in half) if self.enc.n else ()
-        return (*(self.sink.get() if self.sink.n else ()), *enc, *(self.tail.get() if self.tail.n else ()))
-
-    # -- mlx-lm's state protocol: arrays in `state`, everything else in `meta_state` ----------
-    @state.setter
-    def state(self, v) -> None:
-        self._loaded = tuple(v)
-        if getattr(self, "_counts", None) is not None:
-            self._fill()
-
-    @property
-    def meta_state(self) -> tuple[str]:
-        return (json.dumps(self.layout()),)
-
-    @meta_state.setter
-    def meta_state(self, v) -> None:
-        self.set_layout(json.loads(v[0]))
-        if getattr(self, "_loaded", None) is not None:
-            self._fill()
-
-    @classmethod
-    def from_dense(cls, key_spec: CodecSpec, value_spec: CodecSpec, offset: int, dims: tuple, sink=None, rest=None,
-                   window: int | None = None, keep: int = 0, recent: int = 0, stored_from: int = 0):
-        """A cache holding dense tokens not yet converted: `sink` (k, v) at [0, n), `rest` (k, v) at
-        [stored_from, offset), dims (B, H, D, Dv, dtype); `convert()` then encodes them."""
-        c = cls(key_spec, value_spec, offset, window, keep, recent=recent)
-        c._configure(dims)
-        for buf, kv in ((c.sink, sink), (c.tail, rest)):
-            if kv is not None:
-                buf.set(tuple(kv))
-        c.offset, c.enc_start, c.tail_start = offset, stored_from, stored_from
-        return c
-
-    @classmethod
-    def from_state(cls, state, meta_state):
-        obj = cls.__new__(cls)
-        obj.meta_state = meta_state
-        obj.state = state
-        return obj
-
-    def layout(self) -> dict:
-        """Every field but the arrays, JSON-friendly: what `meta_state` carries."""
-        dims = None if self._dims is None else list(self._dims[:4])
-        return {
-            "key": self.key_spec.to_json(), "value": self.value_spec.to_json(), "start": self.start,
-            "window": self.window, "keep": self.keep, "offset": self.offset, "converted": self.converted,
-            "enc_start": self.enc_start, "tail_start": self.tail_start,
-            "sink": self.sink.n, "enc": self.enc.n, "tail": self.tail.n, "recent": self.recent,
-            "key_parts": getattr(self, "_n_key_parts", None) if self.enc.n else None,
-            "dims": dims, "dtype": None if self._dims is None else _dtype_name(self._dims[4]),
-        }
-
-    def set_layout(self, m: dict) -> None:
-        """Reset to the (validated) layout `m`; the arrays come through `state` (before or after)."""
-        spec = lambda d: CodecSpec(d["codec"], d["bits"], d["group_size"])
-        loaded = getattr(self, "_loaded", None)
-        attention, stats = getattr(self, "attention", DEFAULT_ATTENTION), getattr(self, "stats", None)
-        self.__init__(spec(m["key"]), spec(m["value"]), m["start"] or 0, m["window"], m["keep"],
-                      recent=m.get("recent", 0), attention=attention, stats=stats)
-        self.offset, self.converted = m["offset"], m["converted"]
-        self.enc_start, self.tail_start = m["enc_start"], m["tail_start"]
-        if m["dims"] is not None:
-            B, H, D, Dv = m["dims"]
-            self._configure((B, H, D, Dv, _DTYPES[m["dtype"]]))
-        if m["key_parts"] is not None:
-            self._n_key_parts = m["key_parts"]
-        self._counts, self._loaded = (m["sink"], m["enc"], m["tail"]), loaded
-
-    def _fill(self) -> None:
-        """Hand the loaded arrays (sink k, v | encoded parts | tail k, v) to the buffers."""
-        (n_sink, n_enc, n_tail), parts = self._counts, self._loaded
-        lo, hi = 2 if n_sink else 0, len(parts) - (2 if n_tail else 0)
-        enc = parts[lo:hi]
-        if self.joint and n_enc and len(enc) == 2 * self._n_key_parts:  # files keep K and V apart
-            nk = self._n_key_parts
-            enc = tuple(mx.concatenate([k, v], axis=1) for k, v in zip(enc[:nk], enc[nk:]))
-        for buf, n, arrays in ((self.sink, n_sink, parts[:lo]), (self.enc, n_enc, enc), (self.tail, n_tail, parts[hi:])):
-            if n:
-                buf.set(arrays)
-            if buf.n != n:
-                raise ValueError(f"state holds {buf.n} entries where the layout says {n}")
-        self._counts = self._loaded = None
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         # attention over a KVView builds its mask from token positions; this is for code that
