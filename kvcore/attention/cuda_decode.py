@@ -47,6 +47,7 @@ from .cuda_launch import (
     Side,
     token_bounds,
 )
+from .cuda_mma import mma_fits
 
 _VERDICTS: dict = {}  # (plan, q dtype name) -> None (admitted) or the reason it is not
 
@@ -201,8 +202,9 @@ def _packed_rows(q_start: mx.array, n_queries: int) -> mx.array:
 
 
 @cache
-def plan_for(key: Side, value: Side, rep: int, n_queries: int, paged: bool = False) -> Plan:
-    return Plan(key, value, rep, n_queries, paged)
+def plan_for(key: Side, value: Side, rep: int, n_queries: int, paged: bool, q_dtype) -> Plan:
+    """The plan a launch runs: the tensor-core body where it covers the sides and queries."""
+    return Plan(key, value, rep, n_queries, paged, mma_fits(key, value, rep, n_queries, dtype_name(q_dtype)))
 
 
 def attend(q: mx.array, launches: list[Launch] | None, heads: int, scale: float, sinks) -> mx.array | None:
@@ -214,7 +216,7 @@ def attend(q: mx.array, launches: list[Launch] | None, heads: int, scale: float,
     if N > MAX_QUERIES or Hq % heads or q.dtype not in Q_TYPES:
         return None
     rep = Hq // heads
-    plans = [plan_for(L.key, L.value, rep, N, L.table is not None) for L in launches]
+    plans = [plan_for(L.key, L.value, rep, N, L.table is not None, q.dtype) for L in launches]
     if any(not admitted(p, q.dtype) for p in plans) or len({p.value.dim for p in plans}) > 1:
         return None
     if len(launches) == 1 and fusable(plans[0], B, heads, launches[0].columns):
@@ -270,7 +272,7 @@ def _recipe(q: mx.array, launches: list[Launch] | None, heads: int) -> tuple | N
     if Hq % heads or q.dtype not in Q_TYPES:
         return None
     L = launches[0]
-    plan = plan_for(L.key, L.value, Hq // heads, N, L.table is not None)
+    plan = plan_for(L.key, L.value, Hq // heads, N, L.table is not None, q.dtype)
     if not admitted(plan, q.dtype):
         return None
     return plan, (L.key, L.k_book), (L.value, L.v_book), {}

@@ -10,6 +10,7 @@ from functools import cache
 
 import mlx.core as mx
 
+from . import cuda_mma
 from . import cuda_source as src
 from .cuda_launch import THREADS, Plan, Side
 
@@ -78,14 +79,20 @@ def _kernel(plan: Plan, fused: bool, has_sink: bool, out_dtype):
         consts = [*plan.template, ("FUSED", fused), ("HAS_SINK", has_sink), ("OT", _CTYPES[dtype_name(out_dtype)])]
         k = _KERNELS[key] = mx.fast.cuda_kernel(
             name=f"mlxkv_decode_{len(_KERNELS)}", input_names=src.INPUTS, output_names=src.OUTPUTS,
-            source=_source_constants(consts) + src.compact(src.SOURCE), header=_header(),
+            source=_source_constants(consts) + body(plan.mma), header=header(plan.mma),
             ensure_row_contiguous=False, shared_memory=plan.smem)
     return k
 
 
 @cache
-def _header() -> str:
-    return src.compact(src.HEADER)
+def body(mma: bool) -> str:
+    """The decode kernel's text after its constants: the tensor-core body or the scalar one, then the merge tail."""
+    return src.compact(src.PROLOGUE + (cuda_mma.BODY if mma else src.SCALAR_BODY) + src.TAIL)
+
+
+@cache
+def header(mma: bool) -> str:
+    return src.compact(src.HEADER + (cuda_mma.HEADER if mma else ""))
 
 
 def _merge_kernel():

@@ -19,6 +19,8 @@ import os
 from dataclasses import dataclass
 from functools import cached_property
 
+from .cuda_mma import MMA_TILE, mma_fits, mma_smem
+
 THREADS = 128
 TILES = (128, 64, 32)  # tokens per tile (one token per thread in the score phase): the largest that fits
 WARPS = THREADS // 32
@@ -111,11 +113,12 @@ class Plan:
     rep: int  # query heads per KV head
     n_queries: int
     paged: bool = False  # K/V in pages (P, H', PAGE, ...) found through a block table per row
+    mma: bool = False  # the tensor-core body (kvcore/attention/cuda_mma.py; `mma_fits` says where it applies)
 
     def __hash__(self) -> int:
         h = self.__dict__.get("_hash")
         if h is None:
-            h = hash((self.key, self.value, self.rep, self.n_queries, self.paged))
+            h = hash((self.key, self.value, self.rep, self.n_queries, self.paged, self.mma))
             object.__setattr__(self, "_hash", h)
         return h
 
@@ -154,6 +157,8 @@ class Plan:
 
     @cached_property
     def tile(self) -> int:
+        if self.mma:
+            return MMA_TILE
         return next((t for t in TILES if self._layout(t)["TOTAL"] <= MAX_SMEM), TILES[0])
 
     @cached_property
@@ -162,6 +167,8 @@ class Plan:
         return self._layout(self.tile)
 
     def _layout(self, tile: int) -> dict:
+        if self.mma:  # no tiles in shared memory: the warps' partials, then the merge's weights (scratch at 0)
+            return {"KT": 0, "TOTAL": mma_smem(self.qvb, self.value.dim, WARPS)}
         k, v = self.key, self.value
         sizes = [
             ("Q", k.dim * self.qvp * 4),
@@ -199,6 +206,8 @@ class Plan:
             return f"value dim {self.value.dim} does not map onto {THREADS} threads"
         if not (32 <= self.key.dim <= 256 and 32 <= self.value.dim <= 256):
             return "head dims outside 32..256"
+        if self.mma and not mma_fits(self.key, self.value, self.rep, self.n_queries, "float16"):
+            return "the tensor-core body does not cover these sides"
         if self.smem > MAX_SMEM:
             return f"shared memory {self.smem} > {MAX_SMEM}"
         return None

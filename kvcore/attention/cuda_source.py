@@ -18,11 +18,22 @@ OUTPUTS = ["m_out", "l_out", "acc_out", "out"]
 # that finishes a (row, KV head, query chunk) last merges its splits into `out` (flash decoding in one launch):
 # every block counts itself in ctr[slot + (b * Hkv + h) * NQC + qc] after its partials are written
 # and fenced; the one that sees nsplit - 1 merges and sets the counter back to 0 for the next launch.
-SOURCE = r"""
+PROLOGUE = r"""
   constexpr int QVT = REP * NQ;
   constexpr int NWARP = THREADS / 32;
   constexpr float NEG = -1e30f;
   extern __shared__ __align__(16) unsigned char smem[];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int qc = blockIdx.x % NQC, split = blockIdx.x / NQC, h = blockIdx.y, b = blockIdx.z;
+  const int CHUNK = dims[0], NSPLIT = dims[1], VH = dims[2], PTW = dims[3];
+  const int lo0 = rows[3 * b], hi0 = rows[3 * b + 1], cnt = rows[3 * b + 2];
+  // paged: tiles start on tile boundaries, so none straddles a page (PAGE is a multiple of TT); the mask drops the rest
+  const int t_begin = PAGED ? max(split * CHUNK, max(lo0, 0)) / TT * TT : max(split * CHUNK, max(lo0, 0));
+  const int t_end = min(split * CHUNK + CHUNK, min(hi0 + NQ - 1, cnt));
+  const float scale = fscale[0];
+"""
+
+SCALAR_BODY = r"""
   float* qs = reinterpret_cast<float*>(smem + OFF_Q);        // [D][QVP] scaled queries
   float* qsum = reinterpret_cast<float*>(smem + OFF_QSUM);   // [KNG][QVP] per-group sums (affine keys)
   float* kcbs = reinterpret_cast<float*>(smem + OFF_KCB);    // codebooks (turbo)
@@ -34,15 +45,6 @@ SOURCE = r"""
   uint32_t* vt = reinterpret_cast<uint32_t*>(smem + OFF_VT);
   float* vm = reinterpret_cast<float*>(smem + OFF_VM);
   float* scratch = reinterpret_cast<float*>(smem + OFF_KT);  // after the last tile: [TS][QVB][DV]
-
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int qc = blockIdx.x % NQC, split = blockIdx.x / NQC, h = blockIdx.y, b = blockIdx.z;
-  const int CHUNK = dims[0], NSPLIT = dims[1], VH = dims[2], PTW = dims[3];
-  const int lo0 = rows[3 * b], hi0 = rows[3 * b + 1], cnt = rows[3 * b + 2];
-  // paged: tiles start on tile boundaries, so none straddles a page (PAGE is a multiple of TT); the mask drops the rest
-  const int t_begin = PAGED ? max(split * CHUNK, max(lo0, 0)) / TT * TT : max(split * CHUNK, max(lo0, 0));
-  const int t_end = min(split * CHUNK + CHUNK, min(hi0 + NQ - 1, cnt));
-  const float scale = fscale[0];
 
   for (int i = tid; i < D * QVP; i += THREADS) {
     const int d = i / QVP, vl = i % QVP, v = qc * QVB + vl;
@@ -176,6 +178,10 @@ SOURCE = r"""
     for (int u = 0; u < TS; u++) a += scratch[(u * QVB + v) * DV + d];
     acc_out[(ob + v) * DV + d] = a;
   }
+"""
+
+# the split's partials are written (m_out, l_out, acc_out at `ob`); `scratch` is free shared memory
+TAIL = r"""
   if constexpr (FUSED) {
     __shared__ int last;
     __threadfence();
@@ -231,6 +237,8 @@ SOURCE = r"""
     if (tid == 0) *counter = 0;
   }
 """
+
+SOURCE = PROLOGUE + SCALAR_BODY + TAIL  # the kernel of plans read with CUDA cores (`cuda_mma` has the other body)
 
 MERGE_INPUTS = ["m", "l", "acc", "sinks", "dims"]
 MERGE_OUTPUTS = ["out"]

@@ -1,0 +1,158 @@
+"""The tensor-core decode body (kvcore/attention/cuda_mma.py) on CPU: its fragment arithmetic emulated
+lane by lane, with the CUDA text's own index formulas, against plain attention math.
+
+For one warp's 16-token step: each lane's query fragments, dequantized K words (pairs `(t, t + PPK)`
+of its own words, the dims permuted) and V words (two tokens' codes joined by the byte permute) are
+placed in the 16x16 / 16x8 operand matrices where PTX's m16n8k16 layout puts each register, the
+products taken as the tensor cores would, and the outputs read back through the body's write-back
+formula. Scores must equal q . k and outputs P . V over the decoded values: any slip in the
+permutation shows as a wrong dim.
+"""
+
+from __future__ import annotations
+
+import re
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from cuda_emulation import words
+
+from kvcore.attention import cuda_kernels, cuda_mma
+from kvcore.attention.cuda_launch import Plan, Side
+from kvcore.codecs import CodecSpec
+from kvcore.codecs.affine import AffineCodec
+
+LANES = [(lane >> 2, lane & 3) for lane in range(32)]  # (g, c)
+
+
+def _encoded(bits: int, group: int, dim: int, tokens: int, seed: int):
+    x = mx.random.normal((1, 1, tokens, dim), key=mx.random.key(seed))
+    codec = AffineCodec(CodecSpec("affine", bits, group), dim)
+    w, s, b = codec.encode(x)
+    dec = np.array(codec.decode((w, s, b), mx.float32))[0, 0]
+    return words(w)[0, 0], np.array(s.astype(mx.float32))[0, 0], np.array(b.astype(mx.float32))[0, 0], dec
+
+
+def _deq2(codes: tuple[int, int], s: tuple[float, float], z: tuple[float, float]) -> tuple[float, float]:
+    """deq2: exact codes, one fp16 rounding of scale * code + bias."""
+    return tuple(float(np.float16(np.float32(c) * np.float32(sc) + np.float32(zz))) for c, sc, zz in zip(codes, s, z))
+
+
+def _pair(word: int, shift: int, bits: int) -> tuple[int, int]:
+    x = (word >> shift) & (((1 << bits) - 1) * 0x10001)
+    return x & 0xFFFF, x >> 16
+
+
+def _perm(a: int, b: int, sel: int) -> int:
+    """__byte_perm(a, b, sel) for the two selectors the body uses."""
+    return (a & 0xFFFF) | ((b & 0xFFFF) << 16) if sel == 0x5410 else (a >> 16) | ((b >> 16) << 16)
+
+
+def emulate_scores(q: np.ndarray, kw, ks, kz, bits: int, group: int) -> np.ndarray:
+    """S (query vectors, 16 tokens): the body's Q and K fragments through two n-blocks of mma."""
+    D = q.shape[1]
+    EPK, PPK, WTK, NKB, KPL = 32 // bits, 16 // bits, kw.shape[1] // 4, D // 16, D // 4
+    NGT = KPL // group if KPL >= group else 1
+    S = np.zeros((8, 16), np.float32)
+    for nb in range(2):
+        acc = np.zeros((16, 8), np.float32)
+        for i in range(NKB):
+            A = np.zeros((16, 16), np.float32)
+            B = np.zeros((16, 8), np.float32)
+            for g, c in LANES:
+                j, e = i // (PPK // 2), i % (PPK // 2)
+                d0 = EPK * (WTK * c + j) + 2 * e
+                if g < q.shape[0]:
+                    A[g, 2 * c : 2 * c + 2] = np.float16(q[g, [d0, d0 + PPK]])
+                    A[g, 2 * c + 8 : 2 * c + 10] = np.float16(q[g, [d0 + 1, d0 + 1 + PPK]])
+                t = 8 * nb + g
+                w = [int(x) for x in kw[t, WTK * c : WTK * c + WTK]]
+                u = (j * EPK) // group if NGT > 1 else 0
+                grp = (KPL * c + u * group) // group
+                sz = ((ks[t, grp],) * 2, (kz[t, grp],) * 2)
+                B[2 * c : 2 * c + 2, g] = _deq2(_pair(w[j], bits * 2 * e, bits), *sz)
+                B[2 * c + 8 : 2 * c + 10, g] = _deq2(_pair(w[j], bits * (2 * e + 1), bits), *sz)
+            acc += A @ B
+        for g, c in LANES:
+            if g < 8:
+                S[g, 8 * nb + 2 * c : 8 * nb + 2 * c + 2] = acc[g, 2 * c : 2 * c + 2]
+    return S
+
+
+def emulate_values(p: np.ndarray, vw, vs, vz, bits: int, group: int, dv: int) -> np.ndarray:
+    """O (query vectors, DV): P's fragments (as the softmax leaves them) through the body's V fragments."""
+    EPV, PPV, WTV, NMB, VPL = 32 // bits, 16 // bits, vw.shape[1] // 8, dv // 16, dv // 8
+    B = np.zeros((16, 8), np.float32)
+    for g, c in LANES:
+        if g < p.shape[0]:
+            B[2 * c : 2 * c + 2, g] = np.float16(p[g, 2 * c : 2 * c + 2])
+            B[2 * c + 8 : 2 * c + 10, g] = np.float16(p[g, 2 * c + 8 : 2 * c + 10])
+    out = np.zeros((8, dv), np.float32)
+    for m in range(NMB):
+        A = np.zeros((16, 16), np.float32)
+        for g, c in LANES:
+            toks = [2 * c, 2 * c + 1, 2 * c + 8, 2 * c + 9]
+            vwd = [[int(x) for x in vw[t, WTV * g : WTV * g + WTV]] for t in toks]
+            grp = (VPL * g) // group
+            for r in range(4):
+                qq = (r & 1) * NMB + m
+                jw, e = qq // EPV, qq % EPV
+                wa, wb = vwd[(r >> 1) * 2], vwd[(r >> 1) * 2 + 1]
+                x = _perm(wa[jw], wb[jw], 0x5410 if e < PPV else 0x7632)
+                ta, tb = toks[(r >> 1) * 2], toks[(r >> 1) * 2 + 1]
+                val = _deq2(_pair(x, bits * (e % PPV), bits), (vs[ta, grp], vs[tb, grp]), (vz[ta, grp], vz[tb, grp]))
+                row, col = g + 8 * (r & 1), 2 * c + 8 * (r >> 1)
+                A[row, col : col + 2] = val
+        acc = A @ B  # (16 dims, 8 query vectors)
+        for g, c in LANES:
+            for z in range(4):
+                v, row = 2 * c + (z & 1), g + 8 * (z >> 1)
+                d = VPL * (row & 7) + (row >> 3) * NMB + m
+                out[v, d] = acc[row, v]
+    return out
+
+
+CASES = [(4, 64, 128, 4, 64), (8, 64, 128, 8, 64), (2, 64, 128, 2, 64), (4, 32, 64, 4, 32), (4, 32, 256, 4, 32),
+         (8, 128, 128, 4, 32), (4, 64, 256, 2, 128)]
+
+
+@pytest.mark.parametrize("kbits,kg,dim,vbits,vg", CASES)
+def test_fragments_give_scores_and_outputs(kbits, kg, dim, vbits, vg):
+    assert cuda_mma.mma_fits(Side("affine", kbits, kg, dim), Side("affine", vbits, vg, dim), 4, 2, "bfloat16")
+    kw, ks, kz, kdec = _encoded(kbits, kg, dim, 16, 1)
+    vw, vs, vz, vdec = _encoded(vbits, vg, dim, 16, 2)
+    q = np.array(mx.random.normal((8, dim), key=mx.random.key(3)))
+    S = emulate_scores(q, kw, ks, kz, kbits, kg)
+    ref = np.float16(q).astype(np.float32) @ kdec.T
+    assert np.abs(S - ref).max() <= 2e-3 * np.abs(ref).max() + 1e-3
+    p = np.exp(ref - ref.max(axis=1, keepdims=True))
+    out = emulate_values(p, vw, vs, vz, vbits, vg, dim)
+    ref_out = p @ vdec
+    assert np.abs(out - ref_out).max() <= 3e-3 * np.abs(ref_out).max()
+
+
+def test_where_the_tensor_core_body_applies(monkeypatch):
+    A = lambda bits, d=128, g=64: Side("affine", bits, g, d)  # noqa: E731
+    fits = cuda_mma.mma_fits
+    assert fits(A(4), A(4), 4, 1, "bfloat16") and fits(A(8), A(4, g=32), 1, 8, "float16")
+    assert not fits(A(4), A(4), 4, 1, "float32")  # fp32 queries keep the scalar body's precision
+    assert not fits(A(3), A(3), 4, 1, "bfloat16")  # codes across words
+    assert not fits(A(4), A(4), 4, 4, "bfloat16")  # 16 query vectors > 8 rows
+    assert not fits(A(4, d=128, g=4), A(4), 4, 1, "bfloat16")  # a K word spans groups
+    assert not fits(Side("turbo", 4, 128, 128), A(4), 4, 1, "bfloat16")
+    monkeypatch.setenv("MLXKV_CUDA_MMA", "0")
+    assert not fits(A(4), A(4), 4, 1, "bfloat16")
+
+
+def test_mma_plans_tile_and_share_the_merge():
+    plan = Plan(Side("affine", 4, 64, 128), Side("affine", 4, 64, 128), 4, 1, mma=True)
+    assert plan.tile == cuda_mma.MMA_TILE and plan.layout["KT"] == 0 and plan.why_not() is None
+    assert plan.merges_in_launch(256) and hash(plan) != hash(Plan(plan.key, plan.value, 4, 1))
+    text = cuda_kernels.body(True)
+    assert "mma16816" in text and "atomicAdd" in text  # the tensor-core body, then the shared merge tail
+    names = {n for n, _ in plan.template} | {"FUSED", "HAS_SINK", "OT"}
+    local = {"NEG", "QVT", "NWARP", "CHUNK", "NSPLIT", "VH", "PTW", "HQ", "D4", "EPK", "PPK", "WTK", "NKB", "EPV",
+             "PPV", "WTV", "NMB", "KPL", "VPL", "NGT", "KM2", "VM2", "L2E", "LN2"}
+    used = set(re.findall(r"\b([A-Z][A-Z0-9_]{1,})\b", cuda_mma.BODY)) - local
+    assert used <= names, used - names
