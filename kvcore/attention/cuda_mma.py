@@ -54,7 +54,7 @@ MMA_TILE = 64  # tokens per block round: 4 warps x 16
 HEADER = r"""
 __device__ __forceinline__ void mma16816(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                          uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
                "{%0,%1,%2,%3};\n"
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
@@ -72,15 +72,6 @@ __device__ __forceinline__ uint32_t deq2(uint32_t codes, __half2 s, __half2 z) {
   x = __hfma2(__hsub2(x, __float2half2_rn(1024.f)), s, z);
   return *reinterpret_cast<uint32_t*>(&x);
 }
-
-// one warp step's loads: K words of tokens (g, 8 + g), V words of tokens (2c, 2c + 1, 2c + 8, 2c + 9), scales
-template <int WTK, int NGT, int WTV>
-struct MmaStep {
-  uint32_t k[2][WTK];
-  __half ks[2][NGT], kz[2][NGT];
-  uint32_t v[4][WTV];
-  __half vs[4], vz[4];
-};
 
 template <int N>
 __device__ __forceinline__ void load_words(uint32_t* dst, const unsigned char* p, bool vec) {
@@ -146,48 +137,31 @@ BODY = r"""
 #pragma unroll
   for (int m = 0; m < NMB; m++) { acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = 0.f; }
 
-  // one step's K/V words and scales, loaded a step ahead of their use (the loads of step i + 1 are in
-  // flight while step i computes)
-  auto load = [&](MmaStep<WTK, NGT, WTV>& st, int t0) {
+  for (int t0 = t_begin + 16 * warp; t0 < t_end; t0 += 16 * NWARP) {
+    // scores of tokens t0 + 8 nb + (2c, 2c + 1) for query vector g
+    float s[2][4];
 #pragma unroll
     for (int nb = 0; nb < 2; nb++) {
       const int t = min(t0 + 8 * nb + g, t_end - 1);
       int pb = b, tp = t;
       if constexpr (PAGED) { pb = ptab[b * PTW + t / PAGE]; tp = t % PAGE; }
-      load_words<WTK>(st.k[nb], row_base(kw, 4, kw_strides.data(), pb, h) + tp * ktb + 4 * WTK * c, kvec);
+      uint32_t w[WTK];
+      load_words<WTK>(w, row_base(kw, 4, kw_strides.data(), pb, h) + tp * ktb + 4 * WTK * c, kvec);
       const long long mo = pb * ks_strides[0] + h * ks_strides[1] + (long long)tp * ks_strides[2];
       const long long zo = pb * kb_strides[0] + h * kb_strides[1] + (long long)tp * kb_strides[2];
+      __half2 s2[NGT], z2[NGT];
 #pragma unroll
       for (int u = 0; u < NGT; u++) {
         const int grp = (KPL * c + u * KG) / KG;
-        st.ks[nb][u] = ks[mo + grp * ks_strides[3]];
-        st.kz[nb][u] = kb[zo + grp * kb_strides[3]];
+        s2[u] = __half2half2(ks[mo + grp * ks_strides[3]]);
+        z2[u] = __half2half2(kb[zo + grp * kb_strides[3]]);
       }
-    }
-#pragma unroll
-    for (int k = 0; k < 4; k++) {
-      const int t = min(t0 + 2 * c + (k & 1) + 8 * (k >> 1), t_end - 1);
-      int pb = b, tp = t;
-      if constexpr (PAGED) { pb = ptab[b * PTW + t / PAGE]; tp = t % PAGE; }
-      load_words<WTV>(st.v[k], row_base(vw, 4, vw_strides.data(), pb, h + VH) + tp * vtb + 4 * WTV * g, vvec);
-      const int grp = (VPL * g) / VG;
-      st.vs[k] = vs[pb * vs_strides[0] + (h + VH) * vs_strides[1] + (long long)tp * vs_strides[2] + grp * vs_strides[3]];
-      st.vz[k] = vb[pb * vb_strides[0] + (h + VH) * vb_strides[1] + (long long)tp * vb_strides[2] + grp * vb_strides[3]];
-    }
-  };
-
-  auto compute = [&](const MmaStep<WTK, NGT, WTV>& st, int t0) {
-    // scores of tokens t0 + 8 nb + (2c, 2c + 1) for query vector g
-    float s[2][4];
-#pragma unroll
-    for (int nb = 0; nb < 2; nb++) {
       s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.f;
 #pragma unroll
       for (int i = 0; i < NKB; i++) {
         const int j = i / (PPK / 2), e = i % (PPK / 2), u = NGT > 1 ? (j * EPK) / KG : 0;
-        const __half2 s2 = __half2half2(st.ks[nb][u]), z2 = __half2half2(st.kz[nb][u]);
-        const uint32_t b0 = deq2((st.k[nb][j] >> (KB * 2 * e)) & KM2, s2, z2);
-        const uint32_t b1 = deq2((st.k[nb][j] >> (KB * (2 * e + 1))) & KM2, s2, z2);
+        const uint32_t b0 = deq2((w[j] >> (KB * 2 * e)) & KM2, s2[u], z2[u]);
+        const uint32_t b1 = deq2((w[j] >> (KB * (2 * e + 1))) & KM2, s2[u], z2[u]);
         mma16816(s[nb], qa[i][0], 0u, qa[i][1], 0u, b0, b1);
       }
     }
@@ -222,34 +196,33 @@ BODY = r"""
     for (int m = 0; m < NMB; m++) { acc[m][0] *= c0; acc[m][1] *= c1; acc[m][2] *= c0; acc[m][3] *= c1; }
     const uint32_t pb0 = pack_h2(p[0][0], p[0][1]), pb1 = pack_h2(p[1][0], p[1][1]);
 
-    // values of tokens t0 + (2c, 2c + 1, 2c + 8, 2c + 9): scales as half2 per token pair
-    const __half2 sA = __halves2half2(st.vs[0], st.vs[1]), zA = __halves2half2(st.vz[0], st.vz[1]);
-    const __half2 sB = __halves2half2(st.vs[2], st.vs[3]), zB = __halves2half2(st.vz[2], st.vz[3]);
+    // values of tokens t0 + (2c, 2c + 1, 2c + 8, 2c + 9): this lane's words, scales as half2 per token pair
+    uint32_t vwd[4][WTV];
+    __half vsc[4], vbi[4];
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+      const int t = min(t0 + 2 * c + (k & 1) + 8 * (k >> 1), t_end - 1);
+      int pb = b, tp = t;
+      if constexpr (PAGED) { pb = ptab[b * PTW + t / PAGE]; tp = t % PAGE; }
+      load_words<WTV>(vwd[k], row_base(vw, 4, vw_strides.data(), pb, h + VH) + tp * vtb + 4 * WTV * g, vvec);
+      const int grp = (VPL * g) / VG;
+      vsc[k] = vs[pb * vs_strides[0] + (h + VH) * vs_strides[1] + (long long)tp * vs_strides[2] + grp * vs_strides[3]];
+      vbi[k] = vb[pb * vb_strides[0] + (h + VH) * vb_strides[1] + (long long)tp * vb_strides[2] + grp * vb_strides[3]];
+    }
+    const __half2 sA = __halves2half2(vsc[0], vsc[1]), zA = __halves2half2(vbi[0], vbi[1]);
+    const __half2 sB = __halves2half2(vsc[2], vsc[3]), zB = __halves2half2(vbi[2], vbi[3]);
 #pragma unroll
     for (int m = 0; m < NMB; m++) {
       uint32_t a[4];
 #pragma unroll
       for (int r = 0; r < 4; r++) {  // a0a1: (row g, tokens 2c..), a2a3: (row g + 8), a4a5 / a6a7: tokens 2c + 8..
         const int qq = (r & 1) * NMB + m, jw = qq / EPV, e = qq % EPV;
-        const uint32_t x = __byte_perm(st.v[(r >> 1) * 2][jw], st.v[(r >> 1) * 2 + 1][jw], e < PPV ? 0x5410 : 0x7632);
+        const uint32_t* wa = vwd[(r >> 1) * 2];
+        const uint32_t* wb = vwd[(r >> 1) * 2 + 1];
+        const uint32_t x = __byte_perm(wa[jw], wb[jw], e < PPV ? 0x5410 : 0x7632);
         a[r] = deq2((x >> (VB * (e % PPV))) & VM2, r >> 1 ? sB : sA, r >> 1 ? zB : zA);
       }
       mma16816(acc[m], a[0], a[1], a[2], a[3], pb0, pb1);
-    }
-  };
-
-  constexpr bool AHEAD = D <= 128 && DV <= 128;  // head dims of 256 would spill the second step's registers
-  MmaStep<WTK, NGT, WTV> cur, nxt;
-  int t0 = t_begin + 16 * warp;
-  if (AHEAD && t0 < t_end) load(cur, t0);
-  for (; t0 < t_end; t0 += 16 * NWARP) {
-    if constexpr (AHEAD) {
-      if (t0 + 16 * NWARP < t_end) load(nxt, t0 + 16 * NWARP);
-      compute(cur, t0);
-      cur = nxt;
-    } else {
-      load(cur, t0);
-      compute(cur, t0);
     }
   }
 
