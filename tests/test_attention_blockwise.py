@@ -137,3 +137,39 @@ def test_cuda_kernel_is_selected_only_where_it_applies():
     tok = make_codec(CodecSpec("affine", 4, 32), 8)
     assert not cuda_decode.applies(q, tok, tok) and not cuda_decode.applies(q, k4, tok)
     assert not cuda_decode.applies(mx.zeros((1, 4, 9, 64)), k4, k4)
+
+
+def test_quantized_matmul_decode_of_bf16_queries_reads_the_scales_as_stored(monkeypatch):
+    """bf16 queries over fp16 scales: both products run in fp16 (no per-step cast of the cache's
+    context-long scale arrays), at least as close to a float32 reference as the bf16 products were."""
+    from kvcore.attention import qmm
+
+    if MLX_LM_QUANTIZED_FAILS:
+        pytest.skip("quantized_matmul has no kernel for these shapes on this backend")
+    mx.random.seed(5)
+    T = 300
+    cache = CompressedKVCache(CodecSpec("affine", 4, 64), start=0)
+    k, v = mx.random.normal((1, 2, T, 64)).astype(mx.bfloat16), mx.random.normal((1, 2, T, 64)).astype(mx.bfloat16)
+    cache.update_and_fetch(k, v)
+    view, _ = cache.update_and_fetch(k[:, :, :1], v[:, :, :1])
+    q = (3 * mx.random.normal((1, 6, 1, 64))).astype(mx.bfloat16)
+    wide = []
+    real_astype = mx.array.astype
+    monkeypatch.setattr(mx.array, "astype", lambda a, *x, **kw: (wide.append(a.shape) if a.dtype == mx.float16 and a.ndim > 1 and a.shape[-2] >= T else None)
+                        or real_astype(a, *x, **kw))
+    (wk, sk, bk), (wv, sv, bv) = view.segments[0].parts()
+    fast = qmm.qmm_attention(q, (wk, sk, bk), (wv, sv, bv), cache.key_codec, cache.value_codec, 0.125)
+    monkeypatch.undo()
+    assert fast.dtype == mx.bfloat16 and not wide, wide  # no fp16 scale array was cast
+    ref = kv_attention(q.astype(mx.float32), view, 0.125, None, AttentionConfig(qmm=False))
+    old = mx.quantized_matmul  # the bf16 products as before, for the bound
+    s = old((q * 0.125).reshape(1, 2, 3, 1, 64), wk[:, :, None], sk[:, :, None].astype(mx.bfloat16),
+            bk[:, :, None].astype(mx.bfloat16), transpose=True, group_size=64, bits=4).astype(mx.float32)
+    p = mx.softmax(s, axis=-1).astype(mx.bfloat16)
+    before = old(p, wv[:, :, None], sv[:, :, None].astype(mx.bfloat16), bv[:, :, None].astype(mx.bfloat16),
+                 transpose=False, group_size=64, bits=4).reshape(1, 6, 1, 64)
+
+    def err(x):
+        return (mx.abs(x.astype(mx.float32) - ref).max() / mx.abs(ref).max()).item()
+
+    assert err(fast) <= max(err(before), 2e-3), (err(fast), err(before))

@@ -33,9 +33,10 @@ def qmm_attention(q: mx.array, key_parts, value_parts, key_codec, value_codec, s
     B, Hq, N, D = q.shape
     Hkv = key_parts[0].shape[1]
     rep = Hq // Hkv
-    qg = (q * scale).reshape(B, Hkv, rep, N, D)
+    dt = compute_dtype(q.dtype, key_parts[1].dtype, value_parts[1].dtype)
+    qg = (q * scale).astype(dt).reshape(B, Hkv, rep, N, D)
     wk, sk, bk = (p[:, :, None] for p in key_parts)  # (B, Hkv, 1, T, ...)
-    s = mx.quantized_matmul(qg, wk, sk.astype(q.dtype), bk.astype(q.dtype), transpose=True,
+    s = mx.quantized_matmul(qg, wk, _as(sk, dt), _as(bk, dt), transpose=True,
                             group_size=key_codec.group, bits=key_codec.bits).astype(mx.float32)
     if mask is not None:
         s = mx.where(mask[:, :, None] if mask.ndim == 4 else mask, s, -1e30)  # (B, Hkv, rep, N, T)
@@ -45,6 +46,19 @@ def qmm_attention(q: mx.array, key_parts, value_parts, key_codec, value_codec, s
     else:
         p = mx.softmax(s, axis=-1)
     wv, sv, bv = (x[:, :, None] for x in value_parts)
-    out = mx.quantized_matmul(p.astype(q.dtype), wv, sv.astype(q.dtype), bv.astype(q.dtype), transpose=False,
+    out = mx.quantized_matmul(p.astype(dt), wv, _as(sv, dt), _as(bv, dt), transpose=False,
                               group_size=value_codec.group, bits=value_codec.bits)
-    return out.reshape(B, Hq, N, -1)
+    return out.reshape(B, Hq, N, -1).astype(q.dtype)
+
+
+def compute_dtype(q_dtype, key_scales, value_scales):
+    """The dtype both products run in: the scales' own fp16 for bf16 queries (fp16 has 3 more mantissa
+    bits for scores and probabilities, and the cache's scale arrays, as long as the context, are then read
+    as stored instead of cast every step), else the queries' dtype."""
+    if q_dtype == mx.bfloat16 and key_scales == mx.float16 and value_scales == mx.float16:
+        return mx.float16
+    return q_dtype
+
+
+def _as(a: mx.array, dtype) -> mx.array:
+    return a if a.dtype == dtype else a.astype(dtype)
