@@ -56,9 +56,11 @@ def gather_qmm_attention(q: mx.array, view: PagedView, scale: float, sinks: mx.a
     else:
         kparts, vparts = _flat(view.pool[: view.n_key_parts]), _flat(view.pool[view.n_key_parts :])
     kc, vc = view.key_codec, view.value_codec
-    x = (q * scale).reshape(B * H, M, D)
     wk, sk, bk = kparts
-    s = mx.gather_qmm(x, wk, sk.astype(q.dtype), bk.astype(q.dtype), lhs_indices=lhs, rhs_indices=rk, transpose=True,
+    wv, sv, bv = vparts
+    dt = qmm.compute_dtype(q.dtype, sk.dtype, sv.dtype)  # the pool's scales read as stored (fp16 for bf16 queries)
+    x = (q * scale).astype(dt).reshape(B * H, M, D)
+    s = mx.gather_qmm(x, wk, qmm.as_dtype(sk, dt), qmm.as_dtype(bk, dt), lhs_indices=lhs, rhs_indices=rk, transpose=True,
                       group_size=kc.group, bits=kc.bits).astype(mx.float32)  # (B, H, pages, M, PAGE)
     pos = (mx.arange(n, dtype=mx.int32)[:, None] * PAGE + mx.arange(PAGE, dtype=mx.int32)[None])  # (pages, PAGE)
     qpos = view.q_start.astype(mx.int32)[:, None] + (mx.arange(M, dtype=mx.int32) % N)[None]  # (B, M)
@@ -72,9 +74,8 @@ def gather_qmm_attention(q: mx.array, view: PagedView, scale: float, sinks: mx.a
     l = p.sum(axis=(2, 4), keepdims=True)
     if sinks is not None:
         l = l + mx.exp(sk_ - m)
-    wv, sv, bv = vparts
     lhs_v = mx.arange(B * H * n, dtype=mx.uint32).reshape(B, H, n)
-    o = mx.gather_qmm(p.astype(q.dtype).reshape(B * H * n, M, PAGE), wv, sv.astype(q.dtype), bv.astype(q.dtype),
+    o = mx.gather_qmm(p.astype(dt).reshape(B * H * n, M, PAGE), wv, qmm.as_dtype(sv, dt), qmm.as_dtype(bv, dt),
                       lhs_indices=lhs_v, rhs_indices=rv, transpose=False, group_size=vc.group, bits=vc.bits)
     out = o.astype(mx.float32).sum(axis=2) / mx.maximum(l[:, :, 0], 1e-30)  # (B, H, M, Dv)
     return out.reshape(B, Hq, N, -1).astype(q.dtype)

@@ -34,19 +34,25 @@ def qmm_attention(q: mx.array, key_parts, value_parts, key_codec, value_codec, s
     Hkv = key_parts[0].shape[1]
     rep = Hq // Hkv
     dt = compute_dtype(q.dtype, key_parts[1].dtype, value_parts[1].dtype)
-    qg = (q * scale).astype(dt).reshape(B, Hkv, rep, N, D)
-    wk, sk, bk = (p[:, :, None] for p in key_parts)  # (B, Hkv, 1, T, ...)
-    s = mx.quantized_matmul(qg, wk, _as(sk, dt), _as(bk, dt), transpose=True,
+    # a KV head's query vectors as the rows of one product: the parts are read as they are (B, Hkv, T, ...)
+    qg = (q * scale).astype(dt).reshape(B, Hkv, rep * N, D)
+    wk, sk, bk = key_parts
+    s = mx.quantized_matmul(qg, wk, as_dtype(sk, dt), as_dtype(bk, dt), transpose=True,
                             group_size=key_codec.group, bits=key_codec.bits).astype(mx.float32)
-    if mask is not None:
-        s = mx.where(mask[:, :, None] if mask.ndim == 4 else mask, s, -1e30)  # (B, Hkv, rep, N, T)
-    if sinks is not None:
-        sk_ = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, Hkv, rep, 1, 1), (B, Hkv, rep, N, 1))
-        p = mx.softmax(mx.concatenate([sk_, s], axis=-1), axis=-1)[..., 1:]
-    else:
+    if mask is None and sinks is None:  # the decode step
         p = mx.softmax(s, axis=-1)
-    wv, sv, bv = (x[:, :, None] for x in value_parts)
-    out = mx.quantized_matmul(p.astype(dt), wv, _as(sv, dt), _as(bv, dt), transpose=False,
+    else:
+        s = s.reshape(B, Hkv, rep, N, -1)
+        if mask is not None:
+            s = mx.where(mask[:, :, None] if mask.ndim == 4 else mask, s, -1e30)  # (B, Hkv, rep, N, T)
+        if sinks is not None:
+            sk_ = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, Hkv, rep, 1, 1), (B, Hkv, rep, N, 1))
+            p = mx.softmax(mx.concatenate([sk_, s], axis=-1), axis=-1)[..., 1:]
+        else:
+            p = mx.softmax(s, axis=-1)
+        p = p.reshape(B, Hkv, rep * N, -1)
+    wv, sv, bv = value_parts
+    out = mx.quantized_matmul(p.astype(dt), wv, as_dtype(sv, dt), as_dtype(bv, dt), transpose=False,
                               group_size=value_codec.group, bits=value_codec.bits)
     return out.reshape(B, Hq, N, -1).astype(q.dtype)
 
@@ -60,5 +66,6 @@ def compute_dtype(q_dtype, key_scales, value_scales):
     return q_dtype
 
 
-def _as(a: mx.array, dtype) -> mx.array:
+def as_dtype(a: mx.array, dtype) -> mx.array:
+    """`a` in `dtype`, itself where it already is (no copy node)."""
     return a if a.dtype == dtype else a.astype(dtype)
