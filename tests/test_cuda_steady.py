@@ -80,7 +80,8 @@ def _close(a, b):
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "split-merge"])
 def test_a_steady_decode_launch_is_the_general_launch(emulated, monkeypatch, bits, rep, sinks, fused):
     """Decode steps over a plain compressed layer (joint affine storage): each step's launch comes
-    from the cache's memo and equals the portable attention and the general path's launch."""
+    from the cache's memo (from the second step on, straight from hook._sdpa) and equals the portable
+    attention and the general path's launch."""
     if not fused:
         monkeypatch.setattr(cuda_kernels, "SLOT", 0)  # no launch merges its own splits: a merge launch follows
     mx.random.seed(bits + rep)
@@ -90,6 +91,7 @@ def test_a_steady_decode_launch_is_the_general_launch(emulated, monkeypatch, bit
     for step in range(3):
         view, _ = cache.update_and_fetch(mx.random.normal((1, 2, 1, 64)), mx.random.normal((1, 2, 1, 64)))
         assert view.steady and view.segments[0].joint is not None
+        assert view.launch is (cuda_decode.kept_launch if step else None)  # kept once the first step served
         q = mx.random.normal((1, 2 * rep, 1, 64))
         got = _sdpa(q, view, view, cache, 0.125, None, sinks=sk)
         general = cuda_decode.attend(q, cuda_decode.view_launches(q, view), view.heads, 0.125, sk)

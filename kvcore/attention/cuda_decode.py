@@ -249,8 +249,28 @@ def _steady(q: mx.array, view, scale: float, sinks) -> mx.array | None:
     recipe = _kept_recipe(q, view, ("kernel", seg.rotation, sinks is not None), view_launches)
     if recipe is None:
         return None
+    if seg.rotation is None:
+        view.memo["launch"] = kept_launch
     rows = _rows((-BIG, view.q_start + 1 - seg.start, seg.length), B)
     return joint_launch(q, recipe, seg.joint, rows, seg.length, view.heads, scale, sinks)
+
+
+def kept_launch(q: mx.array, view, scale: float, sinks) -> mx.array | None:
+    """A steady layer's launch straight from its cache's memo, which `_steady` fills once it has served
+    the layer (hook._sdpa tries it before dispatching): the launch `kv_attention`'s kernel branch makes,
+    without the dispatch that reaches it. None where that branch would not serve this call (fewer
+    tokens than `cuda_min_tokens`, a query shape or dtype with no kept recipe): the general path decides."""
+    seg = view.segments[0]
+    if q.shape[2] > MAX_QUERIES or view.config.cuda_min_tokens > q.shape[0] * seg.length:
+        return None
+    recipe = view.memo.get(("kernel", None, sinks is not None, q.dtype, q.shape[1], q.shape[2]))
+    if recipe is None or recipe is _MISS:
+        return None
+    out = joint_launch(q, recipe, seg.joint, _rows((-BIG, view.q_start + 1 - seg.start, seg.length), q.shape[0]),
+                       seg.length, view.heads, scale, sinks)
+    if view.stats is not None:
+        view.stats.record("cuda-kernel")
+    return out
 
 
 def _kept_recipe(q: mx.array, view, name: tuple, launches) -> tuple | None:

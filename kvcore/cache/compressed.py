@@ -177,6 +177,7 @@ class CompressedKVCache(StateProtocol, _BaseCache):
             self.offset += keys.shape[2]
             self.tail_start = self.offset
             view = self._view(q_start, keys.shape[2], None)
+            view.launch = self.memo.get("launch")
             return view, view
         N = keys.shape[2]
         q_start = self.offset

@@ -132,6 +132,7 @@ class KVView:
     config: Any = None  # the cache's AttentionConfig (None: the default)
     stats: Any = None  # the cache set's AttentionStats
     memo: dict | None = None  # the cache's own: what attention derives from its settings alone, kept between steps
+    launch: Any = None  # a steady layer's kernel launch kept in its memo (cuda_decode.kept_launch): tried first
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
