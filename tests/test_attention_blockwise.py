@@ -173,3 +173,25 @@ def test_quantized_matmul_decode_of_bf16_queries_reads_the_scales_as_stored(monk
         return (mx.abs(x.astype(mx.float32) - ref).max() / mx.abs(ref).max()).item()
 
     assert err(fast) <= max(err(before), 2e-3), (err(fast), err(before))
+
+
+def test_a_steady_layer_keeps_its_packed_word_decode():
+    """After its first qmm decode a plain compressed layer hands its next views the kept call
+    (hook._sdpa tries it first): the same output as the portable path, counted as qmm; a
+    two-query verify step falls back to the general dispatch and its mask."""
+    from kvcore.attention import blockwise as bw
+    from kvcore.attention.hook import _sdpa
+
+    if MLX_LM_QUANTIZED_FAILS:
+        pytest.skip("quantized_matmul has no kernel for these shapes on this backend")
+    mx.random.seed(9)
+    cache = CompressedKVCache(CodecSpec("affine", 4, 32), start=0)
+    cache.update_and_fetch(mx.random.normal((1, 2, 80, 64)), mx.random.normal((1, 2, 80, 64)))
+    for step, n in enumerate((1, 1, 1, 2)):
+        view, _ = cache.update_and_fetch(mx.random.normal((1, 2, n, 64)), mx.random.normal((1, 2, n, 64)))
+        assert view.launch is (bw.kept_qmm if step else None)
+        q = mx.random.normal((1, 4, n, 64))
+        got = _sdpa(q, view, view, cache, 0.125, None)
+        ref = kv_attention(q, view, 0.125, None, AttentionConfig(qmm=False))
+        assert mx.allclose(got, ref, atol=2e-5, rtol=1e-4).item(), step
+    assert cache.stats.calls.get("qmm") == 4  # the verify step through the general path's qmm branch

@@ -60,6 +60,8 @@ def kv_attention(q: mx.array, view: KVView, scale: float, sinks: mx.array | None
     one_encoded = cfg.accelerated and len(segs) == 1 and segs[0].kind == ENCODED and view.window is None
     if one_encoded and cfg.qmm and qmm.applies(q, segs[0].key_codec, segs[0].value_codec, False):
         _count(stats, "qmm")
+        if view.n_queries == 1 and view.memo is not None and view.steady:
+            view.memo["launch"] = kept_qmm  # the layer's next steps go straight to it (hook._sdpa)
         mask = None if view.n_queries == 1 else segs[0].visible(view.q_positions, 0, segs[0].length, None, 0)
         return qmm.qmm_attention(q, *segs[0].parts(), segs[0].key_codec, segs[0].value_codec, scale, mask, sinks)
     if cfg.block is None:  # one fused call over a layer-sized scratch, if it fits the budget
@@ -71,6 +73,17 @@ def kv_attention(q: mx.array, view: KVView, scale: float, sinks: mx.array | None
     block = cfg.block or max(prefill.MIN_BLOCK, min(cfg.block_bytes // max(kv, sc) // 128 * 128,
                                                     prefill.blockwise_block(q, view, cfg.scratch_limit)))
     return _blockwise(q, view, scale, sinks, block)
+
+
+def kept_qmm(q: mx.array, view: KVView, scale: float, sinks: mx.array | None = None) -> mx.array | None:
+    """A steady layer's one-query decode from packed words, kept in its cache's memo once `kv_attention`
+    has served it so (hook._sdpa tries it first): the same call, without the dispatch; None for more
+    queries (the general path decides)."""
+    if q.shape[2] != 1:
+        return None
+    seg = view.segments[0]
+    _count(view.stats, "qmm")
+    return qmm.qmm_attention(q, *seg.parts(), seg.key_codec, seg.value_codec, scale, None, sinks)
 
 
 def _segment_blocks(q, view: KVView, block: int, progress: list):
