@@ -76,3 +76,15 @@ def test_the_kernel_merging_its_splits_equals_the_two_launches(plan, q_dtype):
         assert relative_error(one, two) < (1e-6 if q_dtype == mx.float32 else 4e-3)  # bfloat16: an ulp at most
     assert relative_error(one, ref) < {mx.float32: 1e-4, mx.bfloat16: 1.5e-2}[q_dtype]
     assert not mx.any(cuda_kernels._counters()).item()
+
+
+def test_encode_lanes_per_word_or_per_group():
+    """Codes that divide a word get a lane per output word (its group's min and max shared by
+    shuffles); others a lane per group. One decode token of llama-8b's 8 KV heads x 128 at 4 bits:
+    2 x 8 heads x 2 groups x 8 words = 256 lanes (32 before)."""
+    assert cuda_encode.lanes(1, 8, 1, 128, 4, 64) == 256
+    assert cuda_encode.lanes(2, 8, 3, 128, 8, 32) == 2 * 16 * 3 * 4 * 8
+    assert cuda_encode.lanes(1, 8, 1, 128, 3, 64) == 32  # 3-bit codes straddle words
+    assert "__shfl_xor_sync" in cuda_encode.source_for(4) and "__shfl_xor_sync" not in cuda_encode.source_for(3)
+    for bits in (2, 4, 8):
+        assert (64 * bits) % 32 == 0 and cuda_encode.source_for(bits) is cuda_encode.WORD_SOURCE

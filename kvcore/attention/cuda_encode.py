@@ -83,6 +83,74 @@ SOURCE = r"""
   }
 """
 
+# bits that divide a word (2, 4, 8): a lane per output word, its group's min and max reduced across the
+# group's GW lanes with shuffles (the same values, so the same scale, bias and codes as one lane per group),
+# instead of one lane walking a whole group: a decode step's one token had 2 H x groups lanes in all
+WORD_SOURCE = r"""
+  constexpr int NB = (1 << BITS) - 1;
+  constexpr int GW = G * BITS / 32, EPW = 32 / BITS;
+  const int H = k_shape[1], T = k_shape[2], D = k_shape[3], NG = D / G, WPR = D * BITS / 32;
+  const int total = k_shape[0] * 2 * H * T * NG * GW;
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  const bool live = i < total;
+  const unsigned lanes = __ballot_sync(0xffffffffu, live);  // whole groups of GW lanes: total is a multiple of GW
+  if (!live) return;
+  const int w = i % GW;
+  int r = i / GW;
+  const int g = r % NG;
+  r /= NG;
+  const int t = r % T; r /= T;
+  const int hh = r % (2 * H), b = r / (2 * H);
+  const bool isv = hh >= H;
+  const int h = isv ? hh - H : hh;
+  const long long base = isv ? b * v_strides[0] + h * v_strides[1] + t * v_strides[2]
+                             : b * k_strides[0] + h * k_strides[1] + t * k_strides[2];
+  const long long step = isv ? v_strides[3] : k_strides[3];
+  float x[EPW];
+  float lo = 3.402823466e38f, hi = BITS == 8 ? -3.402823466e38f : 0.f;  // MLX's CUDA quantize starts its max at 0
+#pragma unroll
+  for (int e = 0; e < EPW; e++) {
+    const long long o = base + (g * G + w * EPW + e) * step;
+    float val = static_cast<float>(isv ? v[o] : k[o]);
+    if constexpr (PRE16) val = __half2float(__float2half_rn(val));
+    x[e] = val;
+    lo = fminf(lo, val);
+    hi = fmaxf(hi, val);
+  }
+#pragma unroll
+  for (int o = 1; o < GW; o <<= 1) {
+    lo = fminf(lo, __shfl_xor_sync(lanes, lo, o, GW));
+    hi = fmaxf(hi, __shfl_xor_sync(lanes, hi, o, GW));
+  }
+  const long long gi = i / GW;  // the group's index in the scales
+  float scale, bias;
+  if constexpr (BITS == 8) {
+    const __half s16 = __float2half_rn(fmaxf((hi - lo) / 255.f, 1e-7f)), b16 = __float2half_rn(lo);
+    scale = __half2float(s16);
+    bias = __half2float(b16);
+    if (w == 0) { s_out[gi] = s16; b_out[gi] = b16; }
+  } else {
+    scale = fmaxf((hi - lo) / (float)NB, 1e-7f);
+    const bool side = fabsf(lo) > fabsf(hi);
+    scale = side ? scale : -scale;
+    const float edge = side ? lo : hi;
+    const float q0 = roundf(edge / scale);
+    const bool at_zero = q0 == 0.0f;
+    scale = at_zero ? scale : edge / q0;
+    bias = at_zero ? 0.f : edge;
+    if (w == 0) { s_out[gi] = __float2half_rn(scale); b_out[gi] = __float2half_rn(bias); }
+  }
+  uint32_t word = 0u;
+#pragma unroll
+  for (int e = 0; e < EPW; e++) {
+    uint32_t c;
+    if constexpr (BITS == 8) c = (uint32_t)fminf(fmaxf(rintf((x[e] - bias) / scale), 0.f), 255.f);
+    else c = (uint32_t)fminf(roundf((x[e] - bias) / scale), (float)NB);
+    word |= c << (e * BITS);
+  }
+  w_out[((long long)(b * 2 * H + hh) * T + t) * WPR + g * GW + w] = word;
+"""
+
 _KERNELS: dict = {}  # (bits, group, pre16) -> kernel object (its constants in its source)
 _VERDICTS: dict = {}  # (bits, group, dim, dtype name) -> None (admitted) or why not
 _COVERS: dict = {}  # (codec class, bits, group, layout, dim, dtype) -> its encoder, or None (asked per decode step)
@@ -101,19 +169,31 @@ def _kernel(bits: int, group: int, pre16: bool):
         consts = f"constexpr int BITS = {bits};\nconstexpr int G = {group};\nconstexpr bool PRE16 = {str(pre16).lower()};\n"
         k = _KERNELS[key] = mx.fast.cuda_kernel(
             name=f"mlxkv_encode_{bits}_{group}_{int(pre16)}", input_names=["k", "v"],
-            output_names=["w_out", "s_out", "b_out"], source=consts + compact(SOURCE), ensure_row_contiguous=False)
+            output_names=["w_out", "s_out", "b_out"], source=consts + compact(source_for(bits)),
+            ensure_row_contiguous=False)
     return k
+
+
+def source_for(bits: int) -> str:
+    """The encode kernel's text: a lane per output word where the codes divide a word, else a lane per group."""
+    return WORD_SOURCE if 32 % bits == 0 else SOURCE
+
+
+def lanes(B: int, H: int, T: int, D: int, bits: int, group: int) -> int:
+    """Threads of one launch: a lane per output word (word-dividing codes) or per group."""
+    groups = B * 2 * H * T * (D // group)
+    return groups * (group * bits // 32) if 32 % bits == 0 else groups
 
 
 def launch(keys: mx.array, values: mx.array, bits: int, group: int, kernel=None) -> tuple[mx.array, mx.array, mx.array]:
     """keys, values (B, H, T, D) -> joint (B, 2H, T, D*bits/32) uint32 words, (B, 2H, T, D/group)
     float16 scales and biases (keys' heads first)."""
     B, H, T, D = keys.shape
-    total = B * 2 * H * T * (D // group)
+    total = lanes(B, H, T, D, bits, group)
     meta = (B, 2 * H, T, D // group)
     kernel = kernel or _kernel(bits, group, keys.dtype == mx.bfloat16 and bits != 8)
-    return tuple(kernel(
-        inputs=[keys, values], grid=(total, 1, 1), threadgroup=(min(THREADS, total), 1, 1),
+    return tuple(kernel(  # whole warps (the word lanes' shuffles run over full warps)
+        inputs=[keys, values], grid=(-(-total // 32) * 32, 1, 1), threadgroup=(min(THREADS, -(-total // 32) * 32), 1, 1),
         output_shapes=[(B, 2 * H, T, D * bits // 32), meta, meta], output_dtypes=_OUT_DTYPES,
     ))
 
