@@ -28,6 +28,7 @@ from ..cache.view import DENSE, ENCODED, Joint
 from ..codecs import CodecSpec
 from ..codecs.affine import AffineCodec
 from ..codecs.turbo import TurboCodec
+from .config import DEFAULT
 from .cuda_kernels import (
     Q_TYPES,
     Launch,
@@ -261,7 +262,7 @@ def kept_launch(q: mx.array, view, scale: float, sinks) -> mx.array | None:
     without the dispatch that reaches it. None where that branch would not serve this call (fewer
     tokens than `cuda_min_tokens`, a query shape or dtype with no kept recipe): the general path decides."""
     seg = view.segments[0]
-    if q.shape[2] > MAX_QUERIES or view.config.cuda_min_tokens > q.shape[0] * seg.length:
+    if q.shape[2] > MAX_QUERIES or (view.config or DEFAULT).cuda_min_tokens > q.shape[0] * seg.length:
         return None
     recipe = view.memo.get(("kernel", None, sinks is not None, q.dtype, q.shape[1], q.shape[2]))
     if recipe is None or recipe is _MISS:
