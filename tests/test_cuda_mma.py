@@ -133,7 +133,7 @@ def test_fragments_give_scores_and_outputs(kbits, kg, dim, vbits, vg):
 
 
 def test_where_the_tensor_core_body_applies(monkeypatch):
-    A = lambda bits, d=128, g=64: Side("affine", bits, g, d)  # noqa: E731
+    A = lambda bits, d=128, g=64: Side("affine", bits, g, d)
     fits = cuda_mma.mma_fits
     assert fits(A(4), A(4), 4, 1, "bfloat16") and fits(A(8), A(4, g=32), 1, 8, "float16")
     assert not fits(A(4), A(4), 4, 1, "float32")  # fp32 queries keep the scalar body's precision
