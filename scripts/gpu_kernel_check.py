@@ -52,6 +52,11 @@ def check_matrix(quick: bool):
               (("bfloat16", 64), ("bfloat16", 128), ("bfloat16", 256), ("float16", 128), ("float32", 128))]
     plans += [(Plan(Side.dense("bfloat16", 128), Side.dense("bfloat16", 128), 4, 4), "bfloat16")]
     plans += [(Plan(A(4, 128), A(4, 128), 4, 1), t) for t in ("float16", "float32")]
+    # the tensor-core body (cuda_mma.py) of every plan it covers, as plan_for picks it for these queries
+    from kvcore.attention.cuda_mma import mma_fits
+
+    plans += [(Plan(p.key, p.value, p.rep, p.n_queries, p.paged, True), t) for p, t in plans
+              if mma_fits(p.key, p.value, p.rep, p.n_queries, t)]
     return plans[::4] if quick else plans
 
 
