@@ -55,7 +55,7 @@ def check_matrix(quick: bool):
     # the tensor-core body (cuda_mma.py) of every plan it covers, as plan_for picks it for these queries
     from kvcore.attention.cuda_mma import mma_fits
 
-    plans += [(Plan(p.key, p.value, p.rep, p.n_queries, p.paged, True), t) for p, t in plans
+    plans += [(Plan(p.key, p.value, p.rep, p.n_queries, p.paged, form), t) for form in (1, 2) for p, t in plans
               if mma_fits(p.key, p.value, p.rep, p.n_queries, t)]
     return plans[::4] if quick else plans
 

@@ -156,3 +156,19 @@ def test_mma_plans_tile_and_share_the_merge():
              "PPV", "WTV", "NMB", "KPL", "VPL", "NGT", "KM2", "VM2", "L2E", "LN2"}
     used = set(re.findall(r"\b([A-Z][A-Z0-9_]{1,})\b", cuda_mma.BODY)) - local
     assert used <= names, used - names
+
+
+def test_the_experimental_form_is_chosen_by_name(monkeypatch):
+    """MLXKV_CUDA_MMA=2: the same plan in the form that keeps its query fragments in shared memory
+    (more of it, its own kernel object); 0: the scalar body; unset: the tensor-core body."""
+    from kvcore.attention import cuda_decode
+
+    A = Side("affine", 4, 64, 128)
+    one = cuda_decode.plan_for(A, A, 4, 1, False, mx.bfloat16)
+    monkeypatch.setenv("MLXKV_CUDA_MMA", "2")
+    two = cuda_decode.plan_for(A, A, 4, 1, False, mx.bfloat16)
+    monkeypatch.setenv("MLXKV_CUDA_MMA", "0")
+    off = cuda_decode.plan_for(A, A, 4, 1, False, mx.bfloat16)
+    assert (one.mma, two.mma, off.mma) == (1, 2, 0) and len({one, two, off}) == 3
+    assert two.smem == one.smem + 4 * (128 // 16) * 32 * 8 and ("MMA", 2) in two.template
+    assert two.tile == one.tile == cuda_mma.MMA_TILE and off.tile != cuda_mma.MMA_TILE

@@ -48,7 +48,7 @@ from .cuda_launch import (
     Side,
     token_bounds,
 )
-from .cuda_mma import mma_fits
+from .cuda_mma import mma_fits, variant
 
 _VERDICTS: dict = {}  # (plan, q dtype name) -> None (admitted) or the reason it is not
 
@@ -202,10 +202,15 @@ def _packed_rows(q_start: mx.array, n_queries: int) -> mx.array:
     return per_step("kernel rows", q_start, n_queries, make)
 
 
-@cache
 def plan_for(key: Side, value: Side, rep: int, n_queries: int, paged: bool, q_dtype) -> Plan:
-    """The plan a launch runs: the tensor-core body where it covers the sides and queries."""
-    return Plan(key, value, rep, n_queries, paged, mma_fits(key, value, rep, n_queries, dtype_name(q_dtype)))
+    """The plan a launch runs: the tensor-core body (in the form MLXKV_CUDA_MMA names) where it covers the
+    sides and queries, else the scalar one."""
+    return _plan(key, value, rep, n_queries, paged, dtype_name(q_dtype), variant())
+
+
+@cache
+def _plan(key: Side, value: Side, rep: int, n_queries: int, paged: bool, q_dtype: str, form: int) -> Plan:
+    return Plan(key, value, rep, n_queries, paged, form if mma_fits(key, value, rep, n_queries, q_dtype) else 0)
 
 
 def attend(q: mx.array, launches: list[Launch] | None, heads: int, scale: float, sinks) -> mx.array | None:

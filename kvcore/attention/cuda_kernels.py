@@ -79,7 +79,7 @@ def _kernel(plan: Plan, fused: bool, has_sink: bool, out_dtype):
         consts = [*plan.template, ("FUSED", fused), ("HAS_SINK", has_sink), ("OT", _CTYPES[dtype_name(out_dtype)])]
         k = _KERNELS[key] = mx.fast.cuda_kernel(
             name=f"mlxkv_decode_{len(_KERNELS)}", input_names=src.INPUTS, output_names=src.OUTPUTS,
-            source=_source_constants(consts) + body(plan.mma), header=header(plan.mma),
+            source=_source_constants(consts) + body(bool(plan.mma)), header=header(bool(plan.mma)),
             ensure_row_contiguous=False, shared_memory=plan.smem)
     return k
 

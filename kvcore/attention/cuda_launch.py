@@ -113,7 +113,7 @@ class Plan:
     rep: int  # query heads per KV head
     n_queries: int
     paged: bool = False  # K/V in pages (P, H', PAGE, ...) found through a block table per row
-    mma: bool = False  # the tensor-core body (kvcore/attention/cuda_mma.py; `mma_fits` says where it applies)
+    mma: int = 0  # the tensor-core body (kvcore/attention/cuda_mma.py; `mma_fits` says where), 2: its experimental form
 
     def __hash__(self) -> int:
         h = self.__dict__.get("_hash")
@@ -168,7 +168,7 @@ class Plan:
 
     def _layout(self, tile: int) -> dict:
         if self.mma:  # no tiles in shared memory: the warps' partials, then the merge's weights (scratch at 0)
-            return {"KT": 0, "TOTAL": mma_smem(self.qvb, self.value.dim, WARPS)}
+            return {"KT": 0, "TOTAL": mma_smem(self.qvb, self.value.dim, WARPS, self.key.dim, int(self.mma))}
         k, v = self.key, self.value
         sizes = [
             ("Q", k.dim * self.qvp * 4),
@@ -221,7 +221,8 @@ class Plan:
              ("KK", KINDS[k.kind]), ("KB", k.bits), ("KG", k.group), ("KNG", k.groups), ("KRW", k.words),
              ("KMS", k.meta_stride), ("KDT", k.dtype_code),
              ("VK", KINDS[v.kind]), ("VB", v.bits), ("VG", v.group), ("VNG", v.groups), ("VRW", v.words),
-             ("VMS", v.meta_stride), ("VDT", v.dtype_code), ("PAGED", self.paged), ("PAGE", PAGE)]
+             ("VMS", v.meta_stride), ("VDT", v.dtype_code), ("PAGED", self.paged), ("PAGE", PAGE),
+             ("MMA", int(self.mma))]
         return t + [("OFF_" + name, off) for name, off in self.layout.items() if name != "TOTAL"]
 
     def splits(self, columns: int, rows: int, heads: int) -> tuple[int, int]:

@@ -30,9 +30,17 @@ import os
 MMA_BITS = (2, 4, 8)  # codes that pack a whole number of element pairs into each half of a word
 
 
+def variant() -> int:
+    """MLXKV_CUDA_MMA: 0 the scalar body everywhere; 1 (default) the tensor-core body where it fits; 2 its
+    experimental form (query fragments in shared memory instead of 16 registers, values loaded with the
+    keys), kept for an A/B on the device until measured."""
+    v = os.environ.get("MLXKV_CUDA_MMA", "1")
+    return int(v) if v in ("0", "1", "2") else 1
+
+
 def mma_fits(key, value, rep: int, n_queries: int, q_dtype: str) -> bool:
     """Whether the tensor-core body covers these sides (cuda_launch.Side) and queries."""
-    if os.environ.get("MLXKV_CUDA_MMA", "1") == "0" or q_dtype not in ("bfloat16", "float16"):
+    if variant() == 0 or q_dtype not in ("bfloat16", "float16"):
         return False
     if key.kind != "affine" or value.kind != "affine" or rep * n_queries > 8:
         return False
@@ -43,9 +51,10 @@ def mma_fits(key, value, rep: int, n_queries: int, q_dtype: str) -> bool:
     return k_groups_ok and value.group % v_per_lane == 0 and key.dim <= 256 and value.dim <= 256
 
 
-def mma_smem(qvb: int, value_dim: int, warps: int) -> int:
-    """Shared memory of the tensor-core body: each warp's partial (max, sum, outputs) for the block merge."""
-    return warps * (16 + qvb * value_dim) * 4
+def mma_smem(qvb: int, value_dim: int, warps: int, key_dim: int = 0, form: int = 1) -> int:
+    """Shared memory of the tensor-core body: each warp's partial (max, sum, outputs) for the block merge,
+    then (form 2) each warp's query fragments (8 bytes a lane per k-block)."""
+    return warps * (16 + qvb * value_dim) * 4 + (warps * (key_dim // 16) * 32 * 8 if form == 2 else 0)
 
 
 MMA_TILE = 64  # tokens per block round: 4 warps x 16
@@ -110,7 +119,8 @@ BODY = r"""
   float* scratch = reinterpret_cast<float*>(smem);
 
   // query fragments (A of S = Q K^T): row g = query vector qc * QVB + g, this lane's dims of k-block i
-  uint32_t qa[NKB][2];
+  uint32_t qa[NKB][2];  // MMA 1: in registers; MMA 2: this warp's copy in shared memory, read per k-block
+  uint2* qsm = reinterpret_cast<uint2*>(smem + NWARP * (16 + QVB * DV) * 4) + warp * NKB * 32;
   {
     const int v = qc * QVB + min(g, QVB - 1);
     const long long qo = b * q_strides[0] + (h * REP + v / NQ) * q_strides[1] + (v % NQ) * q_strides[2];
@@ -118,11 +128,14 @@ BODY = r"""
 #pragma unroll
     for (int i = 0; i < NKB; i++) {
       const int d0 = EPK * (WTK * c + i / (PPK / 2)) + 2 * (i % (PPK / 2));
-      qa[i][0] = pack_h2(static_cast<float>(q[qo + d0 * q_strides[3]]) * sc,
-                         static_cast<float>(q[qo + (d0 + PPK) * q_strides[3]]) * sc);
-      qa[i][1] = pack_h2(static_cast<float>(q[qo + (d0 + 1) * q_strides[3]]) * sc,
-                         static_cast<float>(q[qo + (d0 + 1 + PPK) * q_strides[3]]) * sc);
+      const uint32_t lo = pack_h2(static_cast<float>(q[qo + d0 * q_strides[3]]) * sc,
+                                  static_cast<float>(q[qo + (d0 + PPK) * q_strides[3]]) * sc);
+      const uint32_t hi = pack_h2(static_cast<float>(q[qo + (d0 + 1) * q_strides[3]]) * sc,
+                                  static_cast<float>(q[qo + (d0 + 1 + PPK) * q_strides[3]]) * sc);
+      if constexpr (MMA == 2) qsm[i * 32 + lane] = make_uint2(lo, hi);
+      else { qa[i][0] = lo; qa[i][1] = hi; }
     }
+    if constexpr (MMA == 2) __syncwarp();
   }
   const int qn = (qc * QVB + g) % NQ;
   const bool real = g < QVB;
@@ -137,7 +150,24 @@ BODY = r"""
 #pragma unroll
   for (int m = 0; m < NMB; m++) { acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = 0.f; }
 
+  // values of tokens t0 + (2c, 2c + 1, 2c + 8, 2c + 9): this lane's words and scales
+  auto load_v = [&](int t0, uint32_t (&vwd)[4][WTV], __half (&vsc)[4], __half (&vbi)[4]) {
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+      const int t = min(t0 + 2 * c + (k & 1) + 8 * (k >> 1), t_end - 1);
+      int pb = b, tp = t;
+      if constexpr (PAGED) { pb = ptab[b * PTW + t / PAGE]; tp = t % PAGE; }
+      load_words<WTV>(vwd[k], row_base(vw, 4, vw_strides.data(), pb, h + VH) + tp * vtb + 4 * WTV * g, vvec);
+      const int grp = (VPL * g) / VG;
+      vsc[k] = vs[pb * vs_strides[0] + (h + VH) * vs_strides[1] + (long long)tp * vs_strides[2] + grp * vs_strides[3]];
+      vbi[k] = vb[pb * vb_strides[0] + (h + VH) * vb_strides[1] + (long long)tp * vb_strides[2] + grp * vb_strides[3]];
+    }
+  };
+
   for (int t0 = t_begin + 16 * warp; t0 < t_end; t0 += 16 * NWARP) {
+    uint32_t vwd[4][WTV];
+    __half vsc[4], vbi[4];
+    if constexpr (MMA == 2) load_v(t0, vwd, vsc, vbi);  // in flight with the keys' loads
     // scores of tokens t0 + 8 nb + (2c, 2c + 1) for query vector g
     float s[2][4];
 #pragma unroll
@@ -162,7 +192,12 @@ BODY = r"""
         const int j = i / (PPK / 2), e = i % (PPK / 2), u = NGT > 1 ? (j * EPK) / KG : 0;
         const uint32_t b0 = deq2((w[j] >> (KB * 2 * e)) & KM2, s2[u], z2[u]);
         const uint32_t b1 = deq2((w[j] >> (KB * (2 * e + 1))) & KM2, s2[u], z2[u]);
-        mma16816(s[nb], qa[i][0], 0u, qa[i][1], 0u, b0, b1);
+        if constexpr (MMA == 2) {
+          const uint2 qq = qsm[i * 32 + lane];
+          mma16816(s[nb], qq.x, 0u, qq.y, 0u, b0, b1);
+        } else {
+          mma16816(s[nb], qa[i][0], 0u, qa[i][1], 0u, b0, b1);
+        }
       }
     }
     float mx = NEG;
@@ -196,19 +231,7 @@ BODY = r"""
     for (int m = 0; m < NMB; m++) { acc[m][0] *= c0; acc[m][1] *= c1; acc[m][2] *= c0; acc[m][3] *= c1; }
     const uint32_t pb0 = pack_h2(p[0][0], p[0][1]), pb1 = pack_h2(p[1][0], p[1][1]);
 
-    // values of tokens t0 + (2c, 2c + 1, 2c + 8, 2c + 9): this lane's words, scales as half2 per token pair
-    uint32_t vwd[4][WTV];
-    __half vsc[4], vbi[4];
-#pragma unroll
-    for (int k = 0; k < 4; k++) {
-      const int t = min(t0 + 2 * c + (k & 1) + 8 * (k >> 1), t_end - 1);
-      int pb = b, tp = t;
-      if constexpr (PAGED) { pb = ptab[b * PTW + t / PAGE]; tp = t % PAGE; }
-      load_words<WTV>(vwd[k], row_base(vw, 4, vw_strides.data(), pb, h + VH) + tp * vtb + 4 * WTV * g, vvec);
-      const int grp = (VPL * g) / VG;
-      vsc[k] = vs[pb * vs_strides[0] + (h + VH) * vs_strides[1] + (long long)tp * vs_strides[2] + grp * vs_strides[3]];
-      vbi[k] = vb[pb * vb_strides[0] + (h + VH) * vb_strides[1] + (long long)tp * vb_strides[2] + grp * vb_strides[3]];
-    }
+    if constexpr (MMA != 2) load_v(t0, vwd, vsc, vbi);  // MMA 2 loaded them with the keys
     const __half2 sA = __halves2half2(vsc[0], vsc[1]), zA = __halves2half2(vbi[0], vbi[1]);
     const __half2 sB = __halves2half2(vsc[2], vsc[3]), zB = __halves2half2(vbi[2], vbi[3]);
 #pragma unroll
