@@ -195,3 +195,9 @@ def test_a_steady_layer_keeps_its_packed_word_decode():
         ref = kv_attention(q, view, 0.125, None, AttentionConfig(qmm=False))
         assert mx.allclose(got, ref, atol=2e-5, rtol=1e-4).item(), step
     assert cache.stats.calls.get("qmm") == 4  # the verify step through the general path's qmm branch
+    # a call under a config other than the cache's own keeps nothing for the cache's later steps
+    other = CompressedKVCache(CodecSpec("affine", 4, 32), start=0, attention=AttentionConfig(qmm=False))
+    other.update_and_fetch(mx.random.normal((1, 2, 80, 64)), mx.random.normal((1, 2, 80, 64)))
+    view, _ = other.update_and_fetch(mx.random.normal((1, 2, 1, 64)), mx.random.normal((1, 2, 1, 64)))
+    kv_attention(mx.random.normal((1, 4, 1, 64)), view, 0.125, None, AttentionConfig(qmm=True))
+    assert "launch" not in other.memo

@@ -52,15 +52,19 @@ def kv_attention(q: mx.array, view: KVView, scale: float, sinks: mx.array | None
     kernel = cfg.accelerated and cfg.cuda_kernel and (cfg.cuda_min_tokens == 0 or
                                                       q.shape[0] * view.shape[2] >= cfg.cuda_min_tokens)
     out = cuda_decode.view_attention(q, view, scale, sinks) if kernel else None
+    keep = view.memo is not None and view.steady and (config is None or config == view.config)  # the cache's own
     if out is not None:
         _count(stats, "cuda-kernel")
+        seg = view.segments[0]
+        if keep and seg.joint is not None and seg.rotation is None:
+            view.memo["launch"] = cuda_decode.kept_launch  # the layer's next steps go straight to it (hook._sdpa)
         return out
     kv, sc = _sizes(q, view)
     segs = view.segments
     one_encoded = cfg.accelerated and len(segs) == 1 and segs[0].kind == ENCODED and view.window is None
     if one_encoded and cfg.qmm and qmm.applies(q, segs[0].key_codec, segs[0].value_codec, False):
         _count(stats, "qmm")
-        if view.n_queries == 1 and view.memo is not None and view.steady:
+        if keep and view.n_queries == 1:
             view.memo["launch"] = kept_qmm  # the layer's next steps go straight to it (hook._sdpa)
         mask = None if view.n_queries == 1 else segs[0].visible(view.q_positions, 0, segs[0].length, None, 0)
         return qmm.qmm_attention(q, *segs[0].parts(), segs[0].key_codec, segs[0].value_codec, scale, mask, sinks)

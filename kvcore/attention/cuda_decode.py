@@ -255,15 +255,13 @@ def _steady(q: mx.array, view, scale: float, sinks) -> mx.array | None:
     recipe = _kept_recipe(q, view, ("kernel", seg.rotation, sinks is not None), view_launches)
     if recipe is None:
         return None
-    if seg.rotation is None:
-        view.memo["launch"] = kept_launch
     rows = _rows((-BIG, view.q_start + 1 - seg.start, seg.length), B)
     return joint_launch(q, recipe, seg.joint, rows, seg.length, view.heads, scale, sinks)
 
 
 def kept_launch(q: mx.array, view, scale: float, sinks) -> mx.array | None:
-    """A steady layer's launch straight from its cache's memo, which `_steady` fills once it has served
-    the layer (hook._sdpa tries it before dispatching): the launch `kv_attention`'s kernel branch makes,
+    """A steady layer's launch straight from its cache's memo, where `kv_attention` leaves it once the kernel
+    has served the layer (hook._sdpa tries it before dispatching): the launch `kv_attention`'s kernel branch makes,
     without the dispatch that reaches it. None where that branch would not serve this call (fewer
     tokens than `cuda_min_tokens`, a query shape or dtype with no kept recipe): the general path decides."""
     seg = view.segments[0]
