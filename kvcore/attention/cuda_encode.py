@@ -20,39 +20,49 @@ import mlx.core as mx
 
 from ..backend import backend_name
 
-SOURCE = r"""
-  constexpr int NB = (1 << BITS) - 1;
-  constexpr int GW = G * BITS / 32;
-  const int H = k_shape[1], T = k_shape[2], D = k_shape[3], NG = D / G, WPR = D * BITS / 32;
-  const int total = k_shape[0] * 2 * H * T * NG;
-  const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= total) return;
-  const int g = i % NG;
-  int r = i / NG;
-  const int t = r % T; r /= T;
-  const int hh = r % (2 * H), b = r / (2 * H);
-  const bool isv = hh >= H;
-  const int h = isv ? hh - H : hh;
-  const long long base = isv ? b * v_strides[0] + h * v_strides[1] + t * v_strides[2]
-                             : b * k_strides[0] + h * k_strides[1] + t * k_strides[2];
-  const long long step = isv ? v_strides[3] : k_strides[3];
-  float x[G];
-  float lo = 3.402823466e38f, hi = BITS == 8 ? -3.402823466e38f : 0.f;  // MLX's CUDA quantize starts its max at 0
+# device functions both encode kernels inline: the row a lane reads, its elements with their min and max,
+# the group's scale and bias, a code
+HEADER = r"""
+struct EncRow { long long base, step; int b, hh, t; bool isv; };
+
+// row r of the launch's (B, 2H, T) rows of joint K/V (keys' heads first): where its elements start, their stride
+__device__ __forceinline__ EncRow enc_row(int r, int T, int H, const int64_t* ks, const int64_t* vs) {
+  EncRow w;
+  w.t = r % T; r /= T;
+  w.hh = r % (2 * H); w.b = r / (2 * H);
+  w.isv = w.hh >= H;
+  const int h = w.isv ? w.hh - H : w.hh;
+  const int64_t* st = w.isv ? vs : ks;
+  w.base = w.b * st[0] + h * st[1] + w.t * st[2];
+  w.step = st[3];
+  return w;
+}
+
+// N elements from `first` on, as float (a bfloat16 input rounded to float16 first with PRE16), and their
+// min and max folded into lo / hi
+template <int N, bool PRE16, typename TK, typename TV>
+__device__ __forceinline__ void enc_load(float* x, float& lo, float& hi, const TK* k, const TV* v, const EncRow& w,
+                                         long long first) {
 #pragma unroll
-  for (int e = 0; e < G; e++) {
-    float val = static_cast<float>(isv ? v[base + (g * G + e) * step] : k[base + (g * G + e) * step]);
+  for (int e = 0; e < N; e++) {
+    const long long o = w.base + (first + e) * w.step;
+    float val = static_cast<float>(w.isv ? v[o] : k[o]);
     if constexpr (PRE16) val = __half2float(__float2half_rn(val));
     x[e] = val;
     lo = fminf(lo, val);
     hi = fmaxf(hi, val);
   }
-  float scale, bias;
+}
+
+// below 8 bits MLX's affine quantize (edge value made exact); at 8 bits `_quantize8`; stored as float16
+template <int BITS>
+__device__ __forceinline__ void enc_params(float lo, float hi, float& scale, float& bias, __half& s16, __half& b16) {
+  constexpr int NB = (1 << BITS) - 1;
   if constexpr (BITS == 8) {
-    const __half s16 = __float2half_rn(fmaxf((hi - lo) / 255.f, 1e-7f)), b16 = __float2half_rn(lo);
+    s16 = __float2half_rn(fmaxf((hi - lo) / 255.f, 1e-7f));
+    b16 = __float2half_rn(lo);
     scale = __half2float(s16);
     bias = __half2float(b16);
-    s_out[(long long)i] = s16;
-    b_out[(long long)i] = b16;
   } else {
     scale = fmaxf((hi - lo) / (float)NB, 1e-7f);
     const bool side = fabsf(lo) > fabsf(hi);
@@ -62,18 +72,41 @@ SOURCE = r"""
     const bool at_zero = q0 == 0.0f;
     scale = at_zero ? scale : edge / q0;
     bias = at_zero ? 0.f : edge;
-    s_out[(long long)i] = __float2half_rn(scale);
-    b_out[(long long)i] = __float2half_rn(bias);
+    s16 = __float2half_rn(scale);
+    b16 = __float2half_rn(bias);
   }
-  uint32_t* wo = w_out + ((long long)(b * 2 * H + hh) * T + t) * WPR + g * GW;
+}
+
+template <int BITS>
+__device__ __forceinline__ uint32_t enc_code(float x, float scale, float bias) {
+  if constexpr (BITS == 8) return (uint32_t)fminf(fmaxf(rintf((x - bias) / scale), 0.f), 255.f);
+  else return (uint32_t)fminf(roundf((x - bias) / scale), (float)((1 << BITS) - 1));
+}
+"""
+
+# a lane per group (3, 5, 6 bits: codes straddle words)
+SOURCE = r"""
+  constexpr int GW = G * BITS / 32;
+  const int H = k_shape[1], T = k_shape[2], D = k_shape[3], NG = D / G, WPR = D * BITS / 32;
+  const int total = k_shape[0] * 2 * H * T * NG;
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= total) return;
+  const int g = i % NG;
+  const EncRow row = enc_row(i / NG, T, H, k_strides.data(), v_strides.data());
+  float x[G];
+  float lo = 3.402823466e38f, hi = BITS == 8 ? -3.402823466e38f : 0.f;  // MLX's CUDA quantize starts its max at 0
+  enc_load<G, PRE16>(x, lo, hi, k, v, row, g * G);
+  float scale, bias;
+  __half s16, b16;
+  enc_params<BITS>(lo, hi, scale, bias, s16, b16);
+  s_out[(long long)i] = s16;
+  b_out[(long long)i] = b16;
+  uint32_t* wo = w_out + ((long long)(row.b * 2 * H + row.hh) * T + row.t) * WPR + g * GW;
   unsigned long long acc = 0ull;
   int nb = 0, wi = 0;
 #pragma unroll
   for (int e = 0; e < G; e++) {
-    uint32_t c;
-    if constexpr (BITS == 8) c = (uint32_t)fminf(fmaxf(rintf((x[e] - bias) / scale), 0.f), 255.f);
-    else c = (uint32_t)fminf(roundf((x[e] - bias) / scale), (float)NB);
-    acc |= (unsigned long long)c << nb;
+    acc |= (unsigned long long)enc_code<BITS>(x[e], scale, bias) << nb;
     nb += BITS;
     if (nb >= 32) {
       wo[wi++] = (uint32_t)acc;
@@ -87,7 +120,6 @@ SOURCE = r"""
 # group's GW lanes with shuffles (the same values, so the same scale, bias and codes as one lane per group),
 # instead of one lane walking a whole group: a decode step's one token had 2 H x groups lanes in all
 WORD_SOURCE = r"""
-  constexpr int NB = (1 << BITS) - 1;
   constexpr int GW = G * BITS / 32, EPW = 32 / BITS;
   const int H = k_shape[1], T = k_shape[2], D = k_shape[3], NG = D / G, WPR = D * BITS / 32;
   const int total = k_shape[0] * 2 * H * T * NG * GW;
@@ -95,60 +127,27 @@ WORD_SOURCE = r"""
   const bool live = i < total;
   const unsigned lanes = __ballot_sync(0xffffffffu, live);  // whole groups of GW lanes: total is a multiple of GW
   if (!live) return;
-  const int w = i % GW;
-  int r = i / GW;
-  const int g = r % NG;
-  r /= NG;
-  const int t = r % T; r /= T;
-  const int hh = r % (2 * H), b = r / (2 * H);
-  const bool isv = hh >= H;
-  const int h = isv ? hh - H : hh;
-  const long long base = isv ? b * v_strides[0] + h * v_strides[1] + t * v_strides[2]
-                             : b * k_strides[0] + h * k_strides[1] + t * k_strides[2];
-  const long long step = isv ? v_strides[3] : k_strides[3];
+  const int w = i % GW, g = (i / GW) % NG;
+  const EncRow row = enc_row(i / GW / NG, T, H, k_strides.data(), v_strides.data());
   float x[EPW];
   float lo = 3.402823466e38f, hi = BITS == 8 ? -3.402823466e38f : 0.f;  // MLX's CUDA quantize starts its max at 0
-#pragma unroll
-  for (int e = 0; e < EPW; e++) {
-    const long long o = base + (g * G + w * EPW + e) * step;
-    float val = static_cast<float>(isv ? v[o] : k[o]);
-    if constexpr (PRE16) val = __half2float(__float2half_rn(val));
-    x[e] = val;
-    lo = fminf(lo, val);
-    hi = fmaxf(hi, val);
-  }
+  enc_load<EPW, PRE16>(x, lo, hi, k, v, row, g * G + w * EPW);
 #pragma unroll
   for (int o = 1; o < GW; o <<= 1) {
     lo = fminf(lo, __shfl_xor_sync(lanes, lo, o, GW));
     hi = fmaxf(hi, __shfl_xor_sync(lanes, hi, o, GW));
   }
-  const long long gi = i / GW;  // the group's index in the scales
   float scale, bias;
-  if constexpr (BITS == 8) {
-    const __half s16 = __float2half_rn(fmaxf((hi - lo) / 255.f, 1e-7f)), b16 = __float2half_rn(lo);
-    scale = __half2float(s16);
-    bias = __half2float(b16);
-    if (w == 0) { s_out[gi] = s16; b_out[gi] = b16; }
-  } else {
-    scale = fmaxf((hi - lo) / (float)NB, 1e-7f);
-    const bool side = fabsf(lo) > fabsf(hi);
-    scale = side ? scale : -scale;
-    const float edge = side ? lo : hi;
-    const float q0 = roundf(edge / scale);
-    const bool at_zero = q0 == 0.0f;
-    scale = at_zero ? scale : edge / q0;
-    bias = at_zero ? 0.f : edge;
-    if (w == 0) { s_out[gi] = __float2half_rn(scale); b_out[gi] = __float2half_rn(bias); }
+  __half s16, b16;
+  enc_params<BITS>(lo, hi, scale, bias, s16, b16);
+  if (w == 0) {  // the group's scale and bias, once
+    s_out[i / GW] = s16;
+    b_out[i / GW] = b16;
   }
   uint32_t word = 0u;
 #pragma unroll
-  for (int e = 0; e < EPW; e++) {
-    uint32_t c;
-    if constexpr (BITS == 8) c = (uint32_t)fminf(fmaxf(rintf((x[e] - bias) / scale), 0.f), 255.f);
-    else c = (uint32_t)fminf(roundf((x[e] - bias) / scale), (float)NB);
-    word |= c << (e * BITS);
-  }
-  w_out[((long long)(b * 2 * H + hh) * T + t) * WPR + g * GW + w] = word;
+  for (int e = 0; e < EPW; e++) word |= enc_code<BITS>(x[e], scale, bias) << (e * BITS);
+  w_out[((long long)(row.b * 2 * H + row.hh) * T + row.t) * WPR + g * GW + w] = word;
 """
 
 _KERNELS: dict = {}  # (bits, group, pre16) -> kernel object (its constants in its source)
@@ -170,7 +169,7 @@ def _kernel(bits: int, group: int, pre16: bool):
         k = _KERNELS[key] = mx.fast.cuda_kernel(
             name=f"mlxkv_encode_{bits}_{group}_{int(pre16)}", input_names=["k", "v"],
             output_names=["w_out", "s_out", "b_out"], source=consts + compact(source_for(bits)),
-            ensure_row_contiguous=False)
+            header=compact(HEADER), ensure_row_contiguous=False)
     return k
 
 
