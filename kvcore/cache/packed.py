@@ -60,6 +60,12 @@ def part_index(q_start: mx.array, N: int, shape: tuple) -> mx.array:
     return per_step(("index", shape), q_start, N, make)
 
 
+def trimmed(lengths: list[int], ns: list[int]) -> tuple[list[int], list[int]]:
+    """(lengths after trimming up to ns[b] tokens off row b, the tokens each row really lost)."""
+    done = [min(int(n), length) for n, length in zip(ns, lengths)]
+    return [length - n for length, n in zip(lengths, done)], done
+
+
 def packable(row: CompressedKVCache) -> bool:
     if row.window is not None or row.shape_layout is None or row.sink.n or row.enc_start != 0:
         return False
@@ -210,8 +216,7 @@ class PackedRows:
         self.lengths = [self.lengths[i] for i in idx]
 
     def trim_rows(self, ns: list[int]) -> list[int]:
-        done = [min(int(n), length) for n, length in zip(ns, self.lengths)]
-        self.lengths = [length - n for length, n in zip(self.lengths, done)]
+        self.lengths, done = trimmed(self.lengths, ns)
         return done
 
     @property

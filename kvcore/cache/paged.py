@@ -28,7 +28,14 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .compressed import CompressedKVCache
-from .packed import PackedView, device_lengths, packable, row_holding, signature
+from .packed import (
+    PackedView,
+    device_lengths,
+    packable,
+    row_holding,
+    signature,
+    trimmed,
+)
 from .view import Joint
 
 PAGE = 128  # tokens per page
@@ -340,8 +347,7 @@ class PagedRows:
         self.version += 1
 
     def trim_rows(self, ns: list[int]) -> list[int]:
-        done = [min(int(n), length) for n, length in zip(ns, self.lengths)]
-        self.lengths = [length - n for length, n in zip(self.lengths, done)]
+        self.lengths, done = trimmed(self.lengths, ns)
         return done
 
     @property
