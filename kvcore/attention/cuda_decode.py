@@ -248,14 +248,19 @@ def _steady(q: mx.array, view, scale: float, sinks) -> mx.array | None:
     settings (sides, codebooks, plan, its verdict, the kernel objects, each length's geometry) is
     derived once and kept in the cache's memo, so a step pays for the launch alone. The same
     launch as `attend(view_launches(...))`."""
-    B = q.shape[0]
     seg = view.segments[0]
     if seg.joint is None:
         return attend(q, view_launches(q, view), view.heads, scale, sinks)
     recipe = _kept_recipe(q, view, ("kernel", seg.rotation, sinks is not None), view_launches)
     if recipe is None:
         return None
-    rows = _rows((-BIG, view.q_start + 1 - seg.start, seg.length), B)
+    return _steady_launch(q, view, recipe, scale, sinks)
+
+
+def _steady_launch(q: mx.array, view, recipe: tuple, scale: float, sinks) -> mx.array:
+    """The launch of a steady view's one joint segment from its recipe."""
+    seg = view.segments[0]
+    rows = _rows((-BIG, view.q_start + 1 - seg.start, seg.length), q.shape[0])
     return joint_launch(q, recipe, seg.joint, rows, seg.length, view.heads, scale, sinks)
 
 
@@ -270,8 +275,7 @@ def kept_launch(q: mx.array, view, scale: float, sinks) -> mx.array | None:
     recipe = view.memo.get(("kernel", None, sinks is not None, q.dtype, q.shape[1], q.shape[2]))
     if recipe is None or recipe is _MISS:
         return None
-    out = joint_launch(q, recipe, seg.joint, _rows((-BIG, view.q_start + 1 - seg.start, seg.length), q.shape[0]),
-                       seg.length, view.heads, scale, sinks)
+    out = _steady_launch(q, view, recipe, scale, sinks)
     if view.stats is not None:
         view.stats.record("cuda-kernel")
     return out
