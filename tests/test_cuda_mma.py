@@ -151,24 +151,31 @@ def test_mma_plans_tile_and_share_the_merge():
     assert plan.merges_in_launch(256) and hash(plan) != hash(Plan(plan.key, plan.value, 4, 1))
     text = cuda_kernels.body(True)
     assert "mma16816" in text and "atomicAdd" in text  # the tensor-core body, then the shared merge tail
+    head = cuda_kernels.header(True)  # ends by giving the kernel MLX declares next its launch bounds
+    assert head.rstrip().endswith(f"__launch_bounds__(128, {cuda_mma.MIN_BLOCKS})") and "__launch_bounds__" not in cuda_kernels.header(False)
     names = {n for n, _ in plan.template} | {"FUSED", "HAS_SINK", "OT"}
     local = {"NEG", "QVT", "NWARP", "CHUNK", "NSPLIT", "VH", "PTW", "HQ", "D4", "EPK", "PPK", "WTK", "NKB", "EPV",
-             "PPV", "WTV", "NMB", "KPL", "VPL", "NGT", "KM2", "VM2", "L2E", "LN2"}
+             "PPV", "WTV", "NMB", "KPL", "VPL", "NGT", "KM2", "VM2", "L2E", "LN2", "N", "CPR", "RW", "RS", "NG"}
     used = set(re.findall(r"\b([A-Z][A-Z0-9_]{1,})\b", cuda_mma.BODY)) - local
+    assert {"KRS", "VRS", "STG", "STB", "SOFF_V", "SOFF_KS", "SOFF_VZ"} <= names
     assert used <= names, used - names
 
 
-def test_the_experimental_form_is_chosen_by_name(monkeypatch):
-    """MLXKV_CUDA_MMA=2: the same plan in the form that keeps its query fragments in shared memory
+def test_the_staged_form_is_chosen_by_name(monkeypatch):
+    """MLXKV_CUDA_MMA=2: the same plan in the form that stages each warp's tiles in a shared-memory ring
     (more of it, its own kernel object); 0: the scalar body; unset: the tensor-core body."""
     from kvcore.attention import cuda_decode
 
     A = Side("affine", 4, 64, 128)
+    monkeypatch.delenv("MLXKV_CUDA_MMA", raising=False)
+    monkeypatch.delenv("MLXKV_CUDA_STAGES", raising=False)
     one = cuda_decode.plan_for(A, A, 4, 1, False, mx.bfloat16)
     monkeypatch.setenv("MLXKV_CUDA_MMA", "2")
     two = cuda_decode.plan_for(A, A, 4, 1, False, mx.bfloat16)
     monkeypatch.setenv("MLXKV_CUDA_MMA", "0")
     off = cuda_decode.plan_for(A, A, 4, 1, False, mx.bfloat16)
     assert (one.mma, two.mma, off.mma) == (1, 2, 0) and len({one, two, off}) == 3
-    assert two.smem == one.smem + 4 * (128 // 16) * 32 * 8 and ("MMA", 2) in two.template
+    st = two.stages  # 16 tokens of K (64 B rows), V (80 B rows: no bank conflicts), 2 groups of scales and biases
+    assert (st.krs, st.vrs, st.count) == (16, 20, 4) and st.stage == 16 * (16 + 20) * 4 + 4 * 64
+    assert two.smem == 4 * st.count * st.stage > one.smem and ("MMA", 2) in two.template and ("STG", 4) in two.template
     assert two.tile == one.tile == cuda_mma.MMA_TILE and off.tile != cuda_mma.MMA_TILE

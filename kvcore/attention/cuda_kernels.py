@@ -10,7 +10,7 @@ from functools import cache
 
 import mlx.core as mx
 
-from . import cuda_mma
+from . import cuda_mma, cuda_stage
 from . import cuda_source as src
 from .cuda_launch import THREADS, Plan, Side
 
@@ -92,7 +92,7 @@ def body(mma: bool) -> str:
 
 @cache
 def header(mma: bool) -> str:
-    return src.compact(src.HEADER + (cuda_mma.HEADER if mma else ""))
+    return src.compact(src.HEADER + (cuda_mma.HEADER + cuda_stage.HEADER + cuda_mma.BOUNDS if mma else ""))
 
 
 def _merge_kernel():

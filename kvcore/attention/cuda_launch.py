@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from .cuda_mma import MMA_TILE, mma_fits, mma_smem
+from .cuda_stage import Stages, stages
 
 THREADS = 128
 TILES = (128, 64, 32)  # tokens per tile (one token per thread in the score phase): the largest that fits
@@ -113,7 +114,7 @@ class Plan:
     rep: int  # query heads per KV head
     n_queries: int
     paged: bool = False  # K/V in pages (P, H', PAGE, ...) found through a block table per row
-    mma: int = 0  # the tensor-core body (kvcore/attention/cuda_mma.py; `mma_fits` says where), 2: its experimental form
+    mma: int = 0  # the tensor-core body (kvcore/attention/cuda_mma.py; `mma_fits` says where), 2: its staged form
 
     def __hash__(self) -> int:
         h = self.__dict__.get("_hash")
@@ -162,13 +163,20 @@ class Plan:
         return next((t for t in TILES if self._layout(t)["TOTAL"] <= MAX_SMEM), TILES[0])
 
     @cached_property
+    def stages(self) -> Stages:
+        """The staged form's per-warp ring (cuda_stage.py)."""
+        k, v = self.key, self.value
+        return stages(k.words, v.words, k.groups, v.groups, WARPS)
+
+    @cached_property
     def layout(self) -> dict:
         """Byte offsets of the shared memory regions, and the total."""
         return self._layout(self.tile)
 
     def _layout(self, tile: int) -> dict:
-        if self.mma:  # no tiles in shared memory: the warps' partials, then the merge's weights (scratch at 0)
-            return {"KT": 0, "TOTAL": mma_smem(self.qvb, self.value.dim, WARPS, self.key.dim, int(self.mma))}
+        if self.mma:  # the warps' partials, then the merge's weights (scratch at 0); form 2: the rings before them
+            rings = WARPS * self.stages.count * self.stages.stage if self.mma == 2 else 0
+            return {"KT": 0, "TOTAL": max(rings, mma_smem(self.qvb, self.value.dim, WARPS))}
         k, v = self.key, self.value
         sizes = [
             ("Q", k.dim * self.qvp * 4),
@@ -223,6 +231,10 @@ class Plan:
              ("VK", KINDS[v.kind]), ("VB", v.bits), ("VG", v.group), ("VNG", v.groups), ("VRW", v.words),
              ("VMS", v.meta_stride), ("VDT", v.dtype_code), ("PAGED", self.paged), ("PAGE", PAGE),
              ("MMA", int(self.mma))]
+        if self.mma:
+            st = self.stages
+            t += [("KRS", st.krs), ("VRS", st.vrs), ("STG", st.count), ("STB", st.stage)]
+            t += [("SOFF_" + name, off) for name, off in st.offsets(k.groups, v.groups).items()]
         return t + [("OFF_" + name, off) for name, off in self.layout.items() if name != "TOTAL"]
 
     def splits(self, columns: int, rows: int, heads: int) -> tuple[int, int]:

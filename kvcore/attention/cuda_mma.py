@@ -31,9 +31,9 @@ MMA_BITS = (2, 4, 8)  # codes that pack a whole number of element pairs into eac
 
 
 def variant() -> int:
-    """MLXKV_CUDA_MMA: 0 the scalar body everywhere; 1 (default) the tensor-core body where it fits; 2 its
-    experimental form (query fragments in shared memory instead of 16 registers, values loaded with the
-    keys), kept for an A/B on the device until measured."""
+    """MLXKV_CUDA_MMA: 0 the scalar body everywhere; 1 (default) the tensor-core body where it fits, K/V
+    read into registers; 2 its staged form (`cuda_stage`: each warp's tiles in a shared-memory ring filled
+    by cp.async), kept for an A/B on the device until measured."""
     v = os.environ.get("MLXKV_CUDA_MMA", "1")
     return int(v) if v in ("0", "1", "2") else 1
 
@@ -48,16 +48,25 @@ def mma_fits(key, value, rep: int, n_queries: int, q_dtype: str) -> bool:
         return False
     k_per_lane, v_per_lane = key.dim // 4, value.dim // 8  # dims one lane dequantizes per token
     k_groups_ok = (key.group % k_per_lane == 0 or k_per_lane % key.group == 0) and key.group % (32 // key.bits) == 0
-    return k_groups_ok and value.group % v_per_lane == 0 and key.dim <= 256 and value.dim <= 256
+    whole_v_words = value.words % 8 == 0  # a lane's V elements fill whole words (not 2-bit codes of 64 dims)
+    return k_groups_ok and whole_v_words and value.group % v_per_lane == 0 and key.dim <= 256 and value.dim <= 256
 
 
-def mma_smem(qvb: int, value_dim: int, warps: int, key_dim: int = 0, form: int = 1) -> int:
-    """Shared memory of the tensor-core body: each warp's partial (max, sum, outputs) for the block merge,
-    then (form 2) each warp's query fragments (8 bytes a lane per k-block)."""
-    return warps * (16 + qvb * value_dim) * 4 + (warps * (key_dim // 16) * 32 * 8 if form == 2 else 0)
+def mma_smem(qvb: int, value_dim: int, warps: int) -> int:
+    """Shared memory of the tensor-core body's block merge: each warp's partial (max, sum, outputs)."""
+    return warps * (16 + qvb * value_dim) * 4
 
 
 MMA_TILE = 64  # tokens per block round: 4 warps x 16
+MIN_BLOCKS = 4  # blocks of 128 threads resident per SM: registers capped at 128 a thread
+
+# MLX's cuda_kernel writes `__global__ void name(` right after the header it is given and takes no launch
+# bounds, so the header's last lines give the kernel its bounds through the keyword itself: without them
+# NVRTC gives the staged form 133-135 registers and an SM holds 3 blocks, not 4 (a second partial wave).
+BOUNDS = f"""
+#undef __global__
+#define __global__ __location__(global) __launch_bounds__(128, {MIN_BLOCKS})
+"""
 
 
 HEADER = r"""
@@ -119,8 +128,7 @@ BODY = r"""
   float* scratch = reinterpret_cast<float*>(smem);
 
   // query fragments (A of S = Q K^T): row g = query vector qc * QVB + g, this lane's dims of k-block i
-  uint32_t qa[NKB][2];  // MMA 1: in registers; MMA 2: this warp's copy in shared memory, read per k-block
-  uint2* qsm = reinterpret_cast<uint2*>(smem + NWARP * (16 + QVB * DV) * 4) + warp * NKB * 32;
+  uint32_t qa[NKB][2];
   {
     const int v = qc * QVB + min(g, QVB - 1);
     const long long qo = b * q_strides[0] + (h * REP + v / NQ) * q_strides[1] + (v % NQ) * q_strides[2];
@@ -128,14 +136,11 @@ BODY = r"""
 #pragma unroll
     for (int i = 0; i < NKB; i++) {
       const int d0 = EPK * (WTK * c + i / (PPK / 2)) + 2 * (i % (PPK / 2));
-      const uint32_t lo = pack_h2(static_cast<float>(q[qo + d0 * q_strides[3]]) * sc,
-                                  static_cast<float>(q[qo + (d0 + PPK) * q_strides[3]]) * sc);
-      const uint32_t hi = pack_h2(static_cast<float>(q[qo + (d0 + 1) * q_strides[3]]) * sc,
-                                  static_cast<float>(q[qo + (d0 + 1 + PPK) * q_strides[3]]) * sc);
-      if constexpr (MMA == 2) qsm[i * 32 + lane] = make_uint2(lo, hi);
-      else { qa[i][0] = lo; qa[i][1] = hi; }
+      qa[i][0] = pack_h2(static_cast<float>(q[qo + d0 * q_strides[3]]) * sc,
+                         static_cast<float>(q[qo + (d0 + PPK) * q_strides[3]]) * sc);
+      qa[i][1] = pack_h2(static_cast<float>(q[qo + (d0 + 1) * q_strides[3]]) * sc,
+                         static_cast<float>(q[qo + (d0 + 1 + PPK) * q_strides[3]]) * sc);
     }
-    if constexpr (MMA == 2) __syncwarp();
   }
   const int qn = (qc * QVB + g) % NQ;
   const bool real = g < QVB;
@@ -164,27 +169,71 @@ BODY = r"""
     }
   };
 
-  for (int t0 = t_begin + 16 * warp; t0 < t_end; t0 += 16 * NWARP) {
+  // MMA 2: this warp's ring of STG stages in shared memory, tile `it` in stage it % STG, filled STG - 1 tiles ahead
+  const int tstart = (MMA == 2 ? t_begin / 16 * 16 : t_begin) + 16 * warp;  // tokens below lo0 are masked
+  const int n_it = tstart < t_end ? (t_end - tstart + 16 * NWARP - 1) / (16 * NWARP) : 0;
+  unsigned char* ring = smem + warp * STG * STB;
+  auto issue = [&](int it) {
+    if (it < n_it) {
+      const int t0 = tstart + it * 16 * NWARP;
+      int pb = b, tp0 = t0;
+      if constexpr (PAGED) { pb = ptab[b * PTW + t0 / PAGE]; tp0 = t0 % PAGE; }
+      const int last = min(15, t_end - 1 - t0);
+      unsigned char* st = ring + (it % STG) * STB;
+      stage_rows<KRW, KRS>(st, row_base(kw, 4, kw_strides.data(), pb, h), ktb, tp0, last, lane, kvec);
+      stage_rows<VRW, VRS>(st + SOFF_V, row_base(vw, 4, vw_strides.data(), pb, h + VH), vtb, tp0, last, lane, vvec);
+      stage_meta<KNG>(reinterpret_cast<__half*>(st + SOFF_KS), ks, ks_strides.data(), pb, h, tp0, last, lane);
+      stage_meta<KNG>(reinterpret_cast<__half*>(st + SOFF_KZ), kb, kb_strides.data(), pb, h, tp0, last, lane);
+      stage_meta<VNG>(reinterpret_cast<__half*>(st + SOFF_VS), vs, vs_strides.data(), pb, h + VH, tp0, last, lane);
+      stage_meta<VNG>(reinterpret_cast<__half*>(st + SOFF_VZ), vb, vb_strides.data(), pb, h + VH, tp0, last, lane);
+    }
+    cp_async_commit();
+  };
+  if constexpr (MMA == 2) {
+#pragma unroll
+    for (int i = 0; i < STG - 1; i++) issue(i);
+  }
+
+  for (int it = 0; it < n_it; it++) {
+    const int t0 = tstart + it * 16 * NWARP;
+    const unsigned char* st = ring + (it % STG) * STB;
+    if constexpr (MMA == 2) {
+      issue(it + STG - 1);
+      cp_async_wait<STG - 1>();
+      __syncwarp();
+    }
     uint32_t vwd[4][WTV];
     __half vsc[4], vbi[4];
-    if constexpr (MMA == 2) load_v(t0, vwd, vsc, vbi);  // in flight with the keys' loads
     // scores of tokens t0 + 8 nb + (2c, 2c + 1) for query vector g
     float s[2][4];
 #pragma unroll
     for (int nb = 0; nb < 2; nb++) {
-      const int t = min(t0 + 8 * nb + g, t_end - 1);
-      int pb = b, tp = t;
-      if constexpr (PAGED) { pb = ptab[b * PTW + t / PAGE]; tp = t % PAGE; }
       uint32_t w[WTK];
-      load_words<WTK>(w, row_base(kw, 4, kw_strides.data(), pb, h) + tp * ktb + 4 * WTK * c, kvec);
-      const long long mo = pb * ks_strides[0] + h * ks_strides[1] + (long long)tp * ks_strides[2];
-      const long long zo = pb * kb_strides[0] + h * kb_strides[1] + (long long)tp * kb_strides[2];
       __half2 s2[NGT], z2[NGT];
+      if constexpr (MMA == 2) {
+        const int r = 8 * nb + g;
+        load_words<WTK>(w, st + (r * KRS + WTK * c) * 4, true);
+        const __half* ksm = reinterpret_cast<const __half*>(st + SOFF_KS) + r * KNG;
+        const __half* kzm = reinterpret_cast<const __half*>(st + SOFF_KZ) + r * KNG;
 #pragma unroll
-      for (int u = 0; u < NGT; u++) {
-        const int grp = (KPL * c + u * KG) / KG;
-        s2[u] = __half2half2(ks[mo + grp * ks_strides[3]]);
-        z2[u] = __half2half2(kb[zo + grp * kb_strides[3]]);
+        for (int u = 0; u < NGT; u++) {
+          const int grp = (KPL * c + u * KG) / KG;
+          s2[u] = __half2half2(ksm[grp]);
+          z2[u] = __half2half2(kzm[grp]);
+        }
+      } else {
+        const int t = min(t0 + 8 * nb + g, t_end - 1);
+        int pb = b, tp = t;
+        if constexpr (PAGED) { pb = ptab[b * PTW + t / PAGE]; tp = t % PAGE; }
+        load_words<WTK>(w, row_base(kw, 4, kw_strides.data(), pb, h) + tp * ktb + 4 * WTK * c, kvec);
+        const long long mo = pb * ks_strides[0] + h * ks_strides[1] + (long long)tp * ks_strides[2];
+        const long long zo = pb * kb_strides[0] + h * kb_strides[1] + (long long)tp * kb_strides[2];
+#pragma unroll
+        for (int u = 0; u < NGT; u++) {
+          const int grp = (KPL * c + u * KG) / KG;
+          s2[u] = __half2half2(ks[mo + grp * ks_strides[3]]);
+          z2[u] = __half2half2(kb[zo + grp * kb_strides[3]]);
+        }
       }
       s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.f;
 #pragma unroll
@@ -192,12 +241,7 @@ BODY = r"""
         const int j = i / (PPK / 2), e = i % (PPK / 2), u = NGT > 1 ? (j * EPK) / KG : 0;
         const uint32_t b0 = deq2((w[j] >> (KB * 2 * e)) & KM2, s2[u], z2[u]);
         const uint32_t b1 = deq2((w[j] >> (KB * (2 * e + 1))) & KM2, s2[u], z2[u]);
-        if constexpr (MMA == 2) {
-          const uint2 qq = qsm[i * 32 + lane];
-          mma16816(s[nb], qq.x, 0u, qq.y, 0u, b0, b1);
-        } else {
-          mma16816(s[nb], qa[i][0], 0u, qa[i][1], 0u, b0, b1);
-        }
+        mma16816(s[nb], qa[i][0], 0u, qa[i][1], 0u, b0, b1);
       }
     }
     float mx = NEG;
@@ -231,7 +275,17 @@ BODY = r"""
     for (int m = 0; m < NMB; m++) { acc[m][0] *= c0; acc[m][1] *= c1; acc[m][2] *= c0; acc[m][3] *= c1; }
     const uint32_t pb0 = pack_h2(p[0][0], p[0][1]), pb1 = pack_h2(p[1][0], p[1][1]);
 
-    if constexpr (MMA != 2) load_v(t0, vwd, vsc, vbi);  // MMA 2 loaded them with the keys
+    if constexpr (MMA == 2) {
+#pragma unroll
+      for (int k = 0; k < 4; k++) {
+        const int r = 2 * c + (k & 1) + 8 * (k >> 1), grp = (VPL * g) / VG;
+        load_words<WTV>(vwd[k], st + SOFF_V + (r * VRS + WTV * g) * 4, true);
+        vsc[k] = reinterpret_cast<const __half*>(st + SOFF_VS)[r * VNG + grp];
+        vbi[k] = reinterpret_cast<const __half*>(st + SOFF_VZ)[r * VNG + grp];
+      }
+    } else {
+      load_v(t0, vwd, vsc, vbi);
+    }
     const __half2 sA = __halves2half2(vsc[0], vsc[1]), zA = __halves2half2(vbi[0], vbi[1]);
     const __half2 sB = __halves2half2(vsc[2], vsc[3]), zB = __halves2half2(vbi[2], vbi[3]);
 #pragma unroll
@@ -247,6 +301,11 @@ BODY = r"""
       }
       mma16816(acc[m], a[0], a[1], a[2], a[3], pb0, pb1);
     }
+    if constexpr (MMA == 2) __syncwarp();  // every lane's reads of this stage done before it is refilled
+  }
+  if constexpr (MMA == 2) {  // the partials below reuse the rings
+    cp_async_wait<0>();
+    __syncthreads();
   }
 
   // the block's 4 warps merged: max, sum and outputs per query vector, in shared memory

@@ -1,0 +1,41 @@
+"""The staged tensor-core form's shared-memory ring (kvcore/attention/cuda_stage.py) on CPU: row
+strides free of bank conflicts for the body's fragment reads, the ring within its budget, and the
+stage offsets the kernel is compiled with."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcore.attention import cuda_stage
+from kvcore.attention.cuda_launch import Plan, Side
+from kvcore.attention.cuda_mma import mma_fits
+
+
+def test_wavefronts_count_conflicts():
+    same_bank = [32 * lane for lane in range(32)]  # every lane a different word of bank 0
+    assert cuda_stage.bank_wavefronts(same_bank, 1) == 32
+    assert cuda_stage.bank_wavefronts(list(range(32)), 1) == 1
+    assert cuda_stage.bank_wavefronts([0] * 32, 1) == 1  # one word: a broadcast
+    assert cuda_stage.bank_wavefronts([4 * lane for lane in range(32)], 4) == 4  # LDS.128: 4 phases of 8 lanes
+
+
+@pytest.mark.parametrize("bits,dim,group", [(2, 128, 64), (4, 64, 64), (4, 128, 32), (4, 128, 64), (4, 256, 64),
+                                            (8, 64, 64), (8, 128, 64), (8, 128, 128)])
+def test_strides_are_free_of_conflicts_and_rings_fit(bits, dim, group):
+    side = Side("affine", bits, group, dim)
+    assert mma_fits(side, side, 4, 1, "bfloat16")
+    plan = Plan(side, side, 4, 1, mma=2)
+    st = plan.stages
+    for lanes, width in cuda_stage.key_reads(st.krs, side.words // 4) + cuda_stage.value_reads(st.vrs, side.words // 8):
+        assert cuda_stage.bank_wavefronts(lanes, width) == len(lanes) * width // 32
+    assert st.krs % 4 == 0 and st.vrs % 4 == 0 and st.krs >= side.words and st.vrs >= side.words
+    assert 2 <= st.count <= 4 and plan.smem == 4 * st.count * st.stage <= cuda_stage.STAGE_SMEM
+    off = st.offsets(side.groups, side.groups)
+    assert off["V"] == 16 * st.krs * 4 and all(o % 16 == 0 for o in off.values())
+    assert off["VZ"] + 16 * side.groups * 2 <= st.stage
+
+
+def test_an_unpadded_value_row_would_conflict():
+    """Negative control: 64-byte V rows (4-bit, 128 dims) put lanes c and c + 1 on one bank."""
+    lanes, width = cuda_stage.value_reads(16, 2)[0]
+    assert cuda_stage.bank_wavefronts(lanes, width) > len(lanes) * width // 32
