@@ -40,4 +40,6 @@ step host-step 40 python3 scripts/host_step.py --kinds mlx-lm,default,kernel,pac
 step bench 170 python3 scripts/gpu_bench.py --contexts 512,32768 --no-prefill --repeats 2 --budget-s 115 \
   --output "$OUT/h200-llama-8b-run7.json"
 tail -n 16 "$OUT/bench.log"
+# the device hands back at most 8 files: everything in one archive
+tar czf /tmp/session.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/session.tgz "$OUT/"
 exit 0
