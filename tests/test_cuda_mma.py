@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from cuda_emulation import words
 
-from kvcore.attention import cuda_kernels, cuda_mma
+from kvcore.attention import cuda_kernels, cuda_mma, cuda_stage
 from kvcore.attention.cuda_launch import Plan, Side
 from kvcore.codecs import CodecSpec
 from kvcore.codecs.affine import AffineCodec
@@ -113,6 +113,69 @@ def emulate_values(p: np.ndarray, vw, vs, vz, bits: int, group: int, dv: int) ->
     return out
 
 
+def emulate_scores_keys_as_a(q: np.ndarray, kw, ks, kz, bits: int, group: int) -> np.ndarray:
+    """S (query vectors, 16 tokens) as the staged form takes it, S^T = K Q^T: the same deq pairs of tokens
+    g (a0, a2) and g + 8 (a1, a3) as A's rows, the query fragments as B's columns, read back from C's
+    layout (lane (g, c): tokens g, g + 8 x query vectors 2c, 2c + 1)."""
+    D = q.shape[1]
+    EPK, PPK, WTK, NKB, KPL = 32 // bits, 16 // bits, kw.shape[1] // 4, D // 16, D // 4
+    NGT = KPL // group if KPL >= group else 1
+    acc = np.zeros((16, 8), np.float32)
+    for i in range(NKB):
+        A = np.zeros((16, 16), np.float32)
+        B = np.zeros((16, 8), np.float32)
+        for g, c in LANES:
+            j, e = i // (PPK // 2), i % (PPK // 2)
+            d0 = EPK * (WTK * c + j) + 2 * e
+            if g < q.shape[0]:
+                B[2 * c : 2 * c + 2, g] = np.float16(q[g, [d0, d0 + PPK]])
+                B[2 * c + 8 : 2 * c + 10, g] = np.float16(q[g, [d0 + 1, d0 + 1 + PPK]])
+            u = (j * EPK) // group if NGT > 1 else 0
+            grp = (KPL * c + u * group) // group
+            for row in (g, g + 8):
+                w = [int(x) for x in kw[row, WTK * c : WTK * c + WTK]]
+                sz = ((ks[row, grp],) * 2, (kz[row, grp],) * 2)
+                A[row, 2 * c : 2 * c + 2] = _deq2(_pair(w[j], bits * 2 * e, bits), *sz)
+                A[row, 2 * c + 8 : 2 * c + 10] = _deq2(_pair(w[j], bits * (2 * e + 1), bits), *sz)
+        acc += A @ B
+    S = np.zeros((8, 16), np.float32)
+    for g, c in LANES:
+        for z in range(4):
+            tok, v = g + 8 * (z >> 1), 2 * c + (z & 1)
+            S[v, tok] = acc[tok, v]
+    return S
+
+
+def _h2(lo: float, hi: float) -> int:
+    return int(np.float16(lo).view(np.uint16)) | (int(np.float16(hi).view(np.uint16)) << 16)
+
+
+def p_fragments_by_shuffle(P: np.ndarray) -> list[tuple[int, int]]:
+    """P^T's B fragment per lane as the staged form makes it from its scores' layout: hA / hB (tokens g and
+    g + 8, query vectors 2c, 2c + 1 as a half2), four shuffles from lanes 8c + g / 2 and 8c + 4 + g / 2,
+    the half of query vector g picked by a byte permute."""
+    hA = [_h2(P[g, 2 * c], P[g, 2 * c + 1]) for g, c in LANES]
+    hB = [_h2(P[g + 8, 2 * c], P[g + 8, 2 * c + 1]) for g, c in LANES]
+    out = []
+    for g, c in LANES:
+        src0 = 8 * c + (g >> 1)
+        src1 = src0 + 4
+        sel = 0x7632 if g & 1 else 0x5410
+        out.append((_perm(hA[src0], hA[src1], sel), _perm(hB[src0], hB[src1], sel)))
+    return out
+
+
+def test_the_staged_forms_shuffles_give_the_value_mma_its_probabilities():
+    """Lane (g, c) must end with (P[2c, g], P[2c + 1, g]) and (P[2c + 8, g], P[2c + 9, g]): the B layout the
+    value mma reads (the register form builds it directly from its own scores)."""
+    P = np.random.default_rng(0).random((16, 8)).astype(np.float32)
+    got = p_fragments_by_shuffle(P)
+    want = [(_h2(P[2 * c, g], P[2 * c + 1, g]), _h2(P[2 * c + 8, g], P[2 * c + 9, g])) for g, c in LANES]
+    assert got == want
+    wrong = [(_perm(a, b, 0x5410), 0) for a, b in got]  # negative control: always the low half
+    assert [w[0] for w in wrong] != [w[0] for w in want]
+
+
 CASES = [(4, 64, 128, 4, 64), (8, 64, 128, 8, 64), (2, 64, 128, 2, 64), (4, 32, 64, 4, 32), (4, 32, 256, 4, 32),
          (8, 128, 128, 4, 32), (4, 64, 256, 2, 128)]
 
@@ -126,6 +189,8 @@ def test_fragments_give_scores_and_outputs(kbits, kg, dim, vbits, vg):
     S = emulate_scores(q, kw, ks, kz, kbits, kg)
     ref = np.float16(q).astype(np.float32) @ kdec.T
     assert np.abs(S - ref).max() <= 2e-3 * np.abs(ref).max() + 1e-3
+    S2 = emulate_scores_keys_as_a(q, kw, ks, kz, kbits, kg)  # the staged form's arrangement
+    assert np.abs(S2 - ref).max() <= 2e-3 * np.abs(ref).max() + 1e-3
     p = np.exp(ref - ref.max(axis=1, keepdims=True))
     out = emulate_values(p, vw, vs, vz, vbits, vg, dim)
     ref_out = p @ vdec
@@ -153,10 +218,13 @@ def test_mma_plans_tile_and_share_the_merge():
     assert "mma16816" in text and "atomicAdd" in text  # the tensor-core body, then the shared merge tail
     head = cuda_kernels.header(True)  # ends by giving the kernel MLX declares next its launch bounds
     assert head.rstrip().endswith(f"__launch_bounds__(128, {cuda_mma.MIN_BLOCKS})") and "__launch_bounds__" not in cuda_kernels.header(False)
+    assert cuda_mma.min_blocks(128) == 4 and cuda_mma.min_blocks(256) == 2
+    staged = cuda_kernels.body(2)
+    assert "cp_async_wait" in staged and "cp_async_wait" not in text and staged.count("mma16816(") == text.count("mma16816(")
     names = {n for n, _ in plan.template} | {"FUSED", "HAS_SINK", "OT"}
     local = {"NEG", "QVT", "NWARP", "CHUNK", "NSPLIT", "VH", "PTW", "HQ", "D4", "EPK", "PPK", "WTK", "NKB", "EPV",
              "PPV", "WTV", "NMB", "KPL", "VPL", "NGT", "KM2", "VM2", "L2E", "LN2", "N", "CPR", "RW", "RS", "NG"}
-    used = set(re.findall(r"\b([A-Z][A-Z0-9_]{1,})\b", cuda_mma.BODY)) - local
+    used = set(re.findall(r"\b([A-Z][A-Z0-9_]{1,})\b", cuda_mma.BODY + cuda_stage.BODY)) - local
     assert {"KRS", "VRS", "STG", "STB", "SOFF_V", "SOFF_KS", "SOFF_VZ"} <= names
     assert used <= names, used - names
 

@@ -79,20 +79,23 @@ def _kernel(plan: Plan, fused: bool, has_sink: bool, out_dtype):
         consts = [*plan.template, ("FUSED", fused), ("HAS_SINK", has_sink), ("OT", _CTYPES[dtype_name(out_dtype)])]
         k = _KERNELS[key] = mx.fast.cuda_kernel(
             name=f"mlxkv_decode_{len(_KERNELS)}", input_names=src.INPUTS, output_names=src.OUTPUTS,
-            source=_source_constants(consts) + body(bool(plan.mma)), header=header(bool(plan.mma)),
+            source=_source_constants(consts) + body(int(plan.mma)), header=header(bool(plan.mma), cuda_mma.min_blocks(plan.value.dim)),
             ensure_row_contiguous=False, shared_memory=plan.smem)
     return k
 
 
 @cache
-def body(mma: bool) -> str:
-    """The decode kernel's text after its constants: the tensor-core body or the scalar one, then the merge tail."""
-    return src.compact(src.PROLOGUE + (cuda_mma.BODY if mma else src.SCALAR_BODY) + src.TAIL)
+def body(mma: int) -> str:
+    """The decode kernel's text after its constants: the tensor-core body (form 1, or 2: staged) or the scalar
+    one, then the merge tail."""
+    bodies = {0: src.SCALAR_BODY, 1: cuda_mma.BODY, 2: cuda_stage.BODY}
+    return src.compact(src.PROLOGUE + bodies[int(mma)] + src.TAIL)
 
 
 @cache
-def header(mma: bool) -> str:
-    return src.compact(src.HEADER + (cuda_mma.HEADER + cuda_stage.HEADER + cuda_mma.BOUNDS if mma else ""))
+def header(mma: bool, blocks: int = cuda_mma.MIN_BLOCKS) -> str:
+    """The device functions; for the tensor-core bodies, then the kernel's launch bounds (`blocks` per SM)."""
+    return src.compact(src.HEADER + (cuda_mma.HEADER + cuda_stage.HEADER + cuda_mma.BOUNDS.format(blocks=blocks) if mma else ""))
 
 
 def _merge_kernel():

@@ -58,15 +58,20 @@ def mma_smem(qvb: int, value_dim: int, warps: int) -> int:
 
 
 MMA_TILE = 64  # tokens per block round: 4 warps x 16
-MIN_BLOCKS = 4  # blocks of 128 threads resident per SM: registers capped at 128 a thread
+MIN_BLOCKS = 4  # blocks of 128 threads resident per SM: registers capped at 128 a thread (2 for 256-dim values,
+                # whose 64 accumulator registers alone would spill under that cap)
 
 # MLX's cuda_kernel writes `__global__ void name(` right after the header it is given and takes no launch
 # bounds, so the header's last lines give the kernel its bounds through the keyword itself: without them
 # NVRTC gives the staged form 133-135 registers and an SM holds 3 blocks, not 4 (a second partial wave).
-BOUNDS = f"""
+BOUNDS = """
 #undef __global__
-#define __global__ __location__(global) __launch_bounds__(128, {MIN_BLOCKS})
+#define __global__ __location__(global) __launch_bounds__(128, {blocks})
 """
+
+
+def min_blocks(value_dim: int) -> int:
+    return MIN_BLOCKS if value_dim <= 128 else 2
 
 
 HEADER = r"""
@@ -117,7 +122,8 @@ __device__ __forceinline__ void load_words(uint32_t* dst, const unsigned char* p
 }
 """
 
-BODY = r"""
+# the part both forms share: constants, the query fragments, the stride checks, the accumulators
+PRELUDE = r"""
   constexpr int EPK = 32 / KB, PPK = 16 / KB, WTK = KRW / 4, NKB = D / 16;
   constexpr int EPV = 32 / VB, PPV = 16 / VB, WTV = VRW / 8, NMB = DV / 16;
   constexpr int KPL = D / 4, VPL = DV / 8;  // dims per lane of a K row / a V row
@@ -127,7 +133,8 @@ BODY = r"""
   const int g = lane >> 2, c = lane & 3;
   float* scratch = reinterpret_cast<float*>(smem);
 
-  // query fragments (A of S = Q K^T): row g = query vector qc * QVB + g, this lane's dims of k-block i
+  // query fragments: query vector qc * QVB + g, this lane's dims of k-block i (A rows of S = Q K^T in form 1,
+  // B columns of S^T = K Q^T in form 2: the same two registers)
   uint32_t qa[NKB][2];
   {
     const int v = qc * QVB + min(g, QVB - 1);
@@ -142,98 +149,93 @@ BODY = r"""
                          static_cast<float>(q[qo + (d0 + 1 + PPK) * q_strides[3]]) * sc);
     }
   }
-  const int qn = (qc * QVB + g) % NQ;
-  const bool real = g < QVB;
   const long long ktb = kw_strides[2] * 4ll, vtb = vw_strides[2] * 4ll;
   const bool kvec = ((reinterpret_cast<unsigned long long>(kw) | (kw_strides[0] * 4ull) | (kw_strides[1] * 4ull) |
                       (ktb * 1ull)) % 16) == 0;
   const bool vvec = ((reinterpret_cast<unsigned long long>(vw) | (vw_strides[0] * 4ull) | (vw_strides[1] * 4ull) |
                       (vtb * 1ull)) % 16) == 0;
-
-  float m_run = NEG, l_run = 0.f;  // query vector g, log2 units; l over this lane's tokens
-  float acc[NMB][4];               // O^T: dims (g, g + 8) of m-block m x query vectors (2c, 2c + 1)
+  float acc[NMB][4];  // O^T: dims (g, g + 8) of m-block m x query vectors (2c, 2c + 1)
 #pragma unroll
   for (int m = 0; m < NMB; m++) { acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = 0.f; }
+"""
 
-  // values of tokens t0 + (2c, 2c + 1, 2c + 8, 2c + 9): this lane's words and scales
-  auto load_v = [&](int t0, uint32_t (&vwd)[4][WTV], __half (&vsc)[4], __half (&vbi)[4]) {
+# O^T += V^T P^T for one 16-token step: this lane's V words of tokens (2c, 2c + 1, 2c + 8, 2c + 9) in vwd,
+# their scales and biases in vsc / vbi, P^T's fragment in pb0 / pb1
+VALUES = r"""
+    {
+      const __half2 sA = __halves2half2(vsc[0], vsc[1]), zA = __halves2half2(vbi[0], vbi[1]);
+      const __half2 sB = __halves2half2(vsc[2], vsc[3]), zB = __halves2half2(vbi[2], vbi[3]);
 #pragma unroll
-    for (int k = 0; k < 4; k++) {
-      const int t = min(t0 + 2 * c + (k & 1) + 8 * (k >> 1), t_end - 1);
-      int pb = b, tp = t;
-      if constexpr (PAGED) { pb = ptab[b * PTW + t / PAGE]; tp = t % PAGE; }
-      load_words<WTV>(vwd[k], row_base(vw, 4, vw_strides.data(), pb, h + VH) + tp * vtb + 4 * WTV * g, vvec);
-      const int grp = (VPL * g) / VG;
-      vsc[k] = vs[pb * vs_strides[0] + (h + VH) * vs_strides[1] + (long long)tp * vs_strides[2] + grp * vs_strides[3]];
-      vbi[k] = vb[pb * vb_strides[0] + (h + VH) * vb_strides[1] + (long long)tp * vb_strides[2] + grp * vb_strides[3]];
+      for (int m = 0; m < NMB; m++) {
+        uint32_t a[4];
+#pragma unroll
+        for (int r = 0; r < 4; r++) {  // a0a1: (row g, tokens 2c..), a2a3: (row g + 8), a4a5 / a6a7: tokens 2c + 8..
+          const int qq = (r & 1) * NMB + m, jw = qq / EPV, e = qq % EPV;
+          const uint32_t* wa = vwd[(r >> 1) * 2];
+          const uint32_t* wb = vwd[(r >> 1) * 2 + 1];
+          const uint32_t x = __byte_perm(wa[jw], wb[jw], e < PPV ? 0x5410 : 0x7632);
+          a[r] = deq2((x >> (VB * (e % PPV))) & VM2, r >> 1 ? sB : sA, r >> 1 ? zB : zA);
+        }
+        mma16816(acc[m], a[0], a[1], a[2], a[3], pb0, pb1);
+      }
     }
-  };
+"""
 
-  // MMA 2: this warp's ring of STG stages in shared memory, tile `it` in stage it % STG, filled STG - 1 tiles ahead
-  const int tstart = (MMA == 2 ? t_begin / 16 * 16 : t_begin) + 16 * warp;  // tokens below lo0 are masked
-  const int n_it = tstart < t_end ? (t_end - tstart + 16 * NWARP - 1) / (16 * NWARP) : 0;
-  unsigned char* ring = smem + warp * STG * STB;
-  auto issue = [&](int it) {
-    if (it < n_it) {
-      const int t0 = tstart + it * 16 * NWARP;
-      int pb = b, tp0 = t0;
-      if constexpr (PAGED) { pb = ptab[b * PTW + t0 / PAGE]; tp0 = t0 % PAGE; }
-      const int last = min(15, t_end - 1 - t0);
-      unsigned char* st = ring + (it % STG) * STB;
-      stage_rows<KRW, KRS>(st, row_base(kw, 4, kw_strides.data(), pb, h), ktb, tp0, last, lane, kvec);
-      stage_rows<VRW, VRS>(st + SOFF_V, row_base(vw, 4, vw_strides.data(), pb, h + VH), vtb, tp0, last, lane, vvec);
-      stage_meta<KNG>(reinterpret_cast<__half*>(st + SOFF_KS), ks, ks_strides.data(), pb, h, tp0, last, lane);
-      stage_meta<KNG>(reinterpret_cast<__half*>(st + SOFF_KZ), kb, kb_strides.data(), pb, h, tp0, last, lane);
-      stage_meta<VNG>(reinterpret_cast<__half*>(st + SOFF_VS), vs, vs_strides.data(), pb, h + VH, tp0, last, lane);
-      stage_meta<VNG>(reinterpret_cast<__half*>(st + SOFF_VZ), vb, vb_strides.data(), pb, h + VH, tp0, last, lane);
-    }
-    cp_async_commit();
-  };
-  if constexpr (MMA == 2) {
+# after the warp's max and sum per query vector are in wm / wl: its outputs, then the block's 4 warps merged
+MERGE = r"""
 #pragma unroll
-    for (int i = 0; i < STG - 1; i++) issue(i);
+  for (int m = 0; m < NMB; m++) {
+#pragma unroll
+    for (int z = 0; z < 4; z++) {
+      const int v = 2 * c + (z & 1), row = g + 8 * (z >> 1);
+      const int d = VPL * (row & 7) + (row >> 3) * NMB + m;
+      if (v < QVB) wa[(warp * QVB + v) * DV + d] = acc[m][z];
+    }
   }
+  __syncthreads();
+  const long long ob = ((long long)(b * gridDim.y + h) * NSPLIT + split) * QVT + qc * QVB;
+  if (tid < QVB) {
+    float M = NEG;
+    for (int w = 0; w < NWARP; w++) M = fmaxf(M, wm[w * 8 + tid]);
+    float L = 0.f;
+    for (int w = 0; w < NWARP; w++) L += exp2f(wm[w * 8 + tid] - M) * wl[w * 8 + tid];
+    m_out[ob + tid] = M > 0.5f * NEG ? M * LN2 : NEG;
+    l_out[ob + tid] = L;
+  }
+  for (int i = tid; i < QVB * DV; i += THREADS) {
+    const int v = i / DV, d = i % DV;
+    float M = NEG;
+    for (int w = 0; w < NWARP; w++) M = fmaxf(M, wm[w * 8 + v]);
+    float a = 0.f;
+    for (int w = 0; w < NWARP; w++) a += exp2f(wm[w * 8 + v] - M) * wa[(w * QVB + v) * DV + d];
+    acc_out[(ob + v) * DV + d] = a;
+  }
+"""
 
-  for (int it = 0; it < n_it; it++) {
-    const int t0 = tstart + it * 16 * NWARP;
-    const unsigned char* st = ring + (it % STG) * STB;
-    if constexpr (MMA == 2) {
-      issue(it + STG - 1);
-      cp_async_wait<STG - 1>();
-      __syncwarp();
-    }
-    uint32_t vwd[4][WTV];
-    __half vsc[4], vbi[4];
+# form 1: K and V read from global memory into registers, S = Q K^T (query vectors as A's rows 0..7)
+LOOP = r"""
+  const int qn = (qc * QVB + g) % NQ;
+  const bool real = g < QVB;
+  float m_run = NEG, l_run = 0.f;  // query vector g, log2 units; l over this lane's tokens
+
+  for (int t0 = t_begin + 16 * warp; t0 < t_end; t0 += 16 * NWARP) {
     // scores of tokens t0 + 8 nb + (2c, 2c + 1) for query vector g
     float s[2][4];
 #pragma unroll
     for (int nb = 0; nb < 2; nb++) {
+      const int t = min(t0 + 8 * nb + g, t_end - 1);
+      int pb = b, tp = t;
+      if constexpr (PAGED) { pb = ptab[b * PTW + t / PAGE]; tp = t % PAGE; }
       uint32_t w[WTK];
+      load_words<WTK>(w, row_base(kw, 4, kw_strides.data(), pb, h) + tp * ktb + 4 * WTK * c, kvec);
+      const long long mo = pb * ks_strides[0] + h * ks_strides[1] + (long long)tp * ks_strides[2];
+      const long long zo = pb * kb_strides[0] + h * kb_strides[1] + (long long)tp * kb_strides[2];
       __half2 s2[NGT], z2[NGT];
-      if constexpr (MMA == 2) {
-        const int r = 8 * nb + g;
-        load_words<WTK>(w, st + (r * KRS + WTK * c) * 4, true);
-        const __half* ksm = reinterpret_cast<const __half*>(st + SOFF_KS) + r * KNG;
-        const __half* kzm = reinterpret_cast<const __half*>(st + SOFF_KZ) + r * KNG;
 #pragma unroll
-        for (int u = 0; u < NGT; u++) {
-          const int grp = (KPL * c + u * KG) / KG;
-          s2[u] = __half2half2(ksm[grp]);
-          z2[u] = __half2half2(kzm[grp]);
-        }
-      } else {
-        const int t = min(t0 + 8 * nb + g, t_end - 1);
-        int pb = b, tp = t;
-        if constexpr (PAGED) { pb = ptab[b * PTW + t / PAGE]; tp = t % PAGE; }
-        load_words<WTK>(w, row_base(kw, 4, kw_strides.data(), pb, h) + tp * ktb + 4 * WTK * c, kvec);
-        const long long mo = pb * ks_strides[0] + h * ks_strides[1] + (long long)tp * ks_strides[2];
-        const long long zo = pb * kb_strides[0] + h * kb_strides[1] + (long long)tp * kb_strides[2];
-#pragma unroll
-        for (int u = 0; u < NGT; u++) {
-          const int grp = (KPL * c + u * KG) / KG;
-          s2[u] = __half2half2(ks[mo + grp * ks_strides[3]]);
-          z2[u] = __half2half2(kb[zo + grp * kb_strides[3]]);
-        }
+      for (int u = 0; u < NGT; u++) {
+        const int grp = (KPL * c + u * KG) / KG;
+        s2[u] = __half2half2(ks[mo + grp * ks_strides[3]]);
+        z2[u] = __half2half2(kb[zo + grp * kb_strides[3]]);
       }
       s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.f;
 #pragma unroll
@@ -275,40 +277,22 @@ BODY = r"""
     for (int m = 0; m < NMB; m++) { acc[m][0] *= c0; acc[m][1] *= c1; acc[m][2] *= c0; acc[m][3] *= c1; }
     const uint32_t pb0 = pack_h2(p[0][0], p[0][1]), pb1 = pack_h2(p[1][0], p[1][1]);
 
-    if constexpr (MMA == 2) {
+    // values of tokens t0 + (2c, 2c + 1, 2c + 8, 2c + 9): this lane's words and scales
+    uint32_t vwd[4][WTV];
+    __half vsc[4], vbi[4];
 #pragma unroll
-      for (int k = 0; k < 4; k++) {
-        const int r = 2 * c + (k & 1) + 8 * (k >> 1), grp = (VPL * g) / VG;
-        load_words<WTV>(vwd[k], st + SOFF_V + (r * VRS + WTV * g) * 4, true);
-        vsc[k] = reinterpret_cast<const __half*>(st + SOFF_VS)[r * VNG + grp];
-        vbi[k] = reinterpret_cast<const __half*>(st + SOFF_VZ)[r * VNG + grp];
-      }
-    } else {
-      load_v(t0, vwd, vsc, vbi);
+    for (int k = 0; k < 4; k++) {
+      const int t = min(t0 + 2 * c + (k & 1) + 8 * (k >> 1), t_end - 1);
+      int pb = b, tp = t;
+      if constexpr (PAGED) { pb = ptab[b * PTW + t / PAGE]; tp = t % PAGE; }
+      load_words<WTV>(vwd[k], row_base(vw, 4, vw_strides.data(), pb, h + VH) + tp * vtb + 4 * WTV * g, vvec);
+      const int grp = (VPL * g) / VG;
+      vsc[k] = vs[pb * vs_strides[0] + (h + VH) * vs_strides[1] + (long long)tp * vs_strides[2] + grp * vs_strides[3]];
+      vbi[k] = vb[pb * vb_strides[0] + (h + VH) * vb_strides[1] + (long long)tp * vb_strides[2] + grp * vb_strides[3]];
     }
-    const __half2 sA = __halves2half2(vsc[0], vsc[1]), zA = __halves2half2(vbi[0], vbi[1]);
-    const __half2 sB = __halves2half2(vsc[2], vsc[3]), zB = __halves2half2(vbi[2], vbi[3]);
-#pragma unroll
-    for (int m = 0; m < NMB; m++) {
-      uint32_t a[4];
-#pragma unroll
-      for (int r = 0; r < 4; r++) {  // a0a1: (row g, tokens 2c..), a2a3: (row g + 8), a4a5 / a6a7: tokens 2c + 8..
-        const int qq = (r & 1) * NMB + m, jw = qq / EPV, e = qq % EPV;
-        const uint32_t* wa = vwd[(r >> 1) * 2];
-        const uint32_t* wb = vwd[(r >> 1) * 2 + 1];
-        const uint32_t x = __byte_perm(wa[jw], wb[jw], e < PPV ? 0x5410 : 0x7632);
-        a[r] = deq2((x >> (VB * (e % PPV))) & VM2, r >> 1 ? sB : sA, r >> 1 ? zB : zA);
-      }
-      mma16816(acc[m], a[0], a[1], a[2], a[3], pb0, pb1);
-    }
-    if constexpr (MMA == 2) __syncwarp();  // every lane's reads of this stage done before it is refilled
-  }
-  if constexpr (MMA == 2) {  // the partials below reuse the rings
-    cp_async_wait<0>();
-    __syncthreads();
+""" + VALUES + r"""
   }
 
-  // the block's 4 warps merged: max, sum and outputs per query vector, in shared memory
   float lq = l_run;
   lq += __shfl_xor_sync(0xffffffffu, lq, 1);
   lq += __shfl_xor_sync(0xffffffffu, lq, 2);
@@ -316,31 +300,6 @@ BODY = r"""
   float* wl = scratch + NWARP * 8;  // [NWARP][8]
   float* wa = scratch + NWARP * 16; // [NWARP][QVB][DV]
   if (c == 0 && real) { wm[warp * 8 + g] = m_run; wl[warp * 8 + g] = lq; }
-#pragma unroll
-  for (int m = 0; m < NMB; m++) {
-#pragma unroll
-    for (int z = 0; z < 4; z++) {
-      const int v = 2 * c + (z & 1), row = g + 8 * (z >> 1);
-      const int d = VPL * (row & 7) + (row >> 3) * NMB + m;
-      if (v < QVB) wa[(warp * QVB + v) * DV + d] = acc[m][z];
-    }
-  }
-  __syncthreads();
-  const long long ob = ((long long)(b * gridDim.y + h) * NSPLIT + split) * QVT + qc * QVB;
-  if (tid < QVB) {
-    float M = NEG;
-    for (int w = 0; w < NWARP; w++) M = fmaxf(M, wm[w * 8 + tid]);
-    float L = 0.f;
-    for (int w = 0; w < NWARP; w++) L += exp2f(wm[w * 8 + tid] - M) * wl[w * 8 + tid];
-    m_out[ob + tid] = M > 0.5f * NEG ? M * LN2 : NEG;
-    l_out[ob + tid] = L;
-  }
-  for (int i = tid; i < QVB * DV; i += THREADS) {
-    const int v = i / DV, d = i % DV;
-    float M = NEG;
-    for (int w = 0; w < NWARP; w++) M = fmaxf(M, wm[w * 8 + v]);
-    float a = 0.f;
-    for (int w = 0; w < NWARP; w++) a += exp2f(wm[w * 8 + v] - M) * wa[(w * QVB + v) * DV + d];
-    acc_out[(ob + v) * DV + d] = a;
-  }
 """
+
+BODY = PRELUDE + LOOP + MERGE
