@@ -3,8 +3,8 @@
 # GPU, most valuable first, each part under its own time limit.
 #   source /var/tmp/mlxw/gpu-env.sh && OUT=/some/folder bash scripts/gpu_session.sh
 # 1. the kernel tests in both tensor-core forms (kernel == portable on this device);
-# 2. scripts/gpu_kernel_ab.sh: the decode launch's device time per form, ring depth and split target at
-#    512, 32k and 128k tokens, then ncu's full sections of the staged form at 32k;
+# 2. scripts/gpu_kernel_ab.sh: the decode launch's device time per form and split target at 512, 32k and
+#    128k tokens, then scripts/gpu_kernel_stalls.sh: why each form's warps wait, at 32k;
 # 3. scripts/host_step.py (host us per layer against mlx-lm's, real kernels);
 # 4. scripts/gpu_bench.py at 512 and 32k (mlx-lm bf16 in the same run), in the form that was faster at 32k.
 set -uo pipefail
@@ -20,14 +20,10 @@ pytest_args=(-q -p no:cacheprovider -n 8 --timeout 60 -rfEs)
 MLXKV_CUDA_MMA=2 step tests-staged 90 python3 -m pytest "${pytest_args[@]}" tests/test_cuda_mma.py tests/test_cuda_decode.py \
   tests/test_cuda_steady.py tests/test_paged.py
 step tests-default 50 python3 -m pytest "${pytest_args[@]}" tests/test_cuda_decode.py
-VARIANTS="MLXKV_CUDA_MMA=1 MLXKV_CUDA_MMA=2 MLXKV_CUDA_MMA=2,MLXKV_CUDA_STAGES=3 MLXKV_CUDA_MMA=2,MLXKV_CUDA_TARGET_BLOCKS=264" \
+VARIANTS="MLXKV_CUDA_MMA=1 MLXKV_CUDA_MMA=2 MLXKV_CUDA_MMA=1,MLXKV_CUDA_TARGET_BLOCKS=264 MLXKV_CUDA_MMA=2,MLXKV_CUDA_TARGET_BLOCKS=264" \
   CONTEXTS=32768 bash scripts/gpu_kernel_ab.sh | tee "$OUT/ab-32k.txt"
 VARIANTS="MLXKV_CUDA_MMA=1 MLXKV_CUDA_MMA=2" CONTEXTS="512 131072" bash scripts/gpu_kernel_ab.sh | tee "$OUT/ab-ends.txt"
-MLXKV_CUDA_MMA=2 timeout 60 /usr/local/cuda/bin/ncu --clock-control none --set full -k regex:mlxkv_decode --launch-skip 2 \
-  --launch-count 1 python3 scripts/gpu_ncu_step.py --kind affine4-kernel --context 32768 --layers 2 --steps 3 \
-  > "$OUT/ncu-full-staged-32k.txt" 2>&1
-grep -E "Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|DRAM Throughput|Warp Cycles Per Issued|Issue Slots Busy|Executed Instructions  " \
-  "$OUT/ncu-full-staged-32k.txt" | head -12
+VARIANTS="MLXKV_CUDA_MMA=1 MLXKV_CUDA_MMA=2" CONTEXTS=32768 bash scripts/gpu_kernel_stalls.sh | tee "$OUT/stalls-32k.txt"
 form=$(python3 - "$OUT/ab-32k.txt" <<'PY'
 import re, sys
 t = {m[0]: float(m[1]) for m in re.findall(r"^MLXKV_CUDA_MMA=(\d) ctx 32768: median ([\d.]+)", open(sys.argv[1]).read(), re.M)}
@@ -38,7 +34,7 @@ echo "== bench form $form"
 export MLXKV_CUDA_MMA=$form
 step host-step 40 python3 scripts/host_step.py --kinds mlx-lm,default,kernel,packed-kernel --repeats 3
 step bench 170 python3 scripts/gpu_bench.py --contexts 512,32768 --no-prefill --repeats 2 --budget-s 115 \
-  --output "$OUT/h200-llama-8b-run7.json"
+  --output "$OUT/h200-llama-8b-next.json"
 tail -n 16 "$OUT/bench.log"
 # the device hands back at most 8 files: everything in one archive
 tar czf /tmp/session.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/session.tgz "$OUT/"
