@@ -79,7 +79,8 @@ def _kernel(plan: Plan, fused: bool, has_sink: bool, out_dtype):
         consts = [*plan.template, ("FUSED", fused), ("HAS_SINK", has_sink), ("OT", _CTYPES[dtype_name(out_dtype)])]
         k = _KERNELS[key] = mx.fast.cuda_kernel(
             name=f"mlxkv_decode_{len(_KERNELS)}", input_names=src.INPUTS, output_names=src.OUTPUTS,
-            source=_source_constants(consts) + body(int(plan.mma)), header=header(bool(plan.mma), cuda_mma.min_blocks(plan.value.dim)),
+            source=_source_constants(consts) + body(int(plan.mma)),
+            header=header(bool(plan.mma), cuda_mma.min_blocks(plan.value.dim)),
             ensure_row_contiguous=False, shared_memory=plan.smem)
     return k
 
@@ -95,7 +96,9 @@ def body(mma: int) -> str:
 @cache
 def header(mma: bool, blocks: int = cuda_mma.MIN_BLOCKS) -> str:
     """The device functions; for the tensor-core bodies, then the kernel's launch bounds (`blocks` per SM)."""
-    return src.compact(src.HEADER + (cuda_mma.HEADER + cuda_stage.HEADER + cuda_mma.BOUNDS.format(blocks=blocks) if mma else ""))
+    if not mma:
+        return src.compact(src.HEADER)
+    return src.compact(src.HEADER + cuda_mma.HEADER + cuda_stage.HEADER + cuda_mma.BOUNDS.format(blocks=blocks))
 
 
 def _merge_kernel():

@@ -231,7 +231,7 @@ class Plan:
              ("VK", KINDS[v.kind]), ("VB", v.bits), ("VG", v.group), ("VNG", v.groups), ("VRW", v.words),
              ("VMS", v.meta_stride), ("VDT", v.dtype_code), ("PAGED", self.paged), ("PAGE", PAGE),
              ("MMA", int(self.mma))]
-        if self.mma:
+        if self.mma == 2:
             st = self.stages
             t += [("KRS", st.krs), ("VRS", st.vrs), ("STG", st.count), ("STB", st.stage)]
             t += [("SOFF_" + name, off) for name, off in st.offsets(k.groups, v.groups).items()]
