@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite on the GPU machine (MLX's CUDA backend), 8 xdist workers, 120 s per test.
-# From the repository root, after `source /var/tmp/mlxw/gpu-env.sh` (MLX CUDA + mlx-lm on PYTHONPATH):
+# From the repository root, after `source /var/tmp/mlxw/gpu-env.sh` (MLX CUDA + mlx-lm on PYTHONPATH) and, for
+# the serve / constrain / fuzzing tests, `source .gpu/c/serve-env.sh` (scripts/stage-serve-wheels, its own call):
 #   OUT=/some/folder bash scripts/gpu_suite.sh [extra pytest args]
 # Writes $OUT/pytest-cuda.xml (junit) and $OUT/pytest-cuda.log; exits with pytest's status.
 set -uo pipefail

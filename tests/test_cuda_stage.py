@@ -39,3 +39,36 @@ def test_an_unpadded_value_row_would_conflict():
     """Negative control: 64-byte V rows (4-bit, 128 dims) put lanes c and c + 1 on one bank."""
     lanes, width = cuda_stage.value_reads(16, 2)[0]
     assert cuda_stage.bank_wavefronts(lanes, width) > len(lanes) * width // 32
+
+
+def _staged_tiles(t_begin: int, t_end: int, warps: int = 4) -> dict[int, list[int]]:
+    """The staged loop's tiles per warp, with the kernel text's formulas (tstart, n_it, t0)."""
+    out = {}
+    for warp in range(warps):
+        tstart = t_begin // 16 * 16 + 16 * warp
+        n_it = (t_end - tstart + 16 * warps - 1) // (16 * warps) if tstart < t_end else 0
+        out[warp] = [tstart + it * 16 * warps for it in range(n_it)]
+    return out
+
+
+@pytest.mark.parametrize("t_begin,t_end", [(0, 1), (0, 64), (0, 65), (37, 300), (64, 128), (500, 517), (15, 16)])
+def test_the_staged_loop_visits_each_token_once(t_begin, t_end):
+    """Every token of [t_begin, t_end) falls in exactly one warp's tile; tiles start on 16-token edges (the
+    tokens below t_begin a rounded start adds are below lo0, which the mask drops) and none starts past t_end."""
+    tiles = _staged_tiles(t_begin, t_end)
+    seen = [t for starts in tiles.values() for t0 in starts for t in range(t0, t0 + 16) if t_begin <= t < t_end]
+    assert sorted(seen) == list(range(t_begin, t_end))
+    assert all(t0 % 16 == 0 and t0 < t_end and t0 + 16 > t_begin for s in tiles.values() for t0 in s)
+
+
+def test_the_ring_never_refills_a_stage_before_it_is_read():
+    """Tile it + STG - 1 is issued into the stage tile it - 1 used, after that iteration's closing __syncwarp;
+    cp.async.wait_group STG - 1 leaves tile `it` complete (groups commit in order, one per tile)."""
+    for count in (2, 3, 4):
+        committed = count - 1  # the prologue's groups: tiles 0 .. count - 2
+        for it in range(20):
+            slot_written = (it + count - 1) % count
+            assert slot_written == (it - 1) % count and slot_written != it % count
+            committed += 1
+            complete = committed - (count - 1)  # what wait_group(count - 1) guarantees
+            assert complete >= it + 1
