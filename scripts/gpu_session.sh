@@ -4,7 +4,8 @@
 #   source /var/tmp/mlxw/gpu-env.sh && OUT=/some/folder bash scripts/gpu_session.sh
 # 1. the kernel tests in both tensor-core forms (kernel == portable on this device);
 # 2. scripts/gpu_kernel_ab.sh: the decode launch's device time per form and split target at 512, 32k and
-#    128k tokens, then scripts/gpu_kernel_stalls.sh: why each form's warps wait, at 32k;
+#    128k tokens, then scripts/gpu_kernel_stalls.sh (why each form's warps wait) and
+#    scripts/gpu_kernel_ablate.py (what each part of the body costs), at 32k;
 # 3. scripts/host_step.py (host us per layer against mlx-lm's, real kernels);
 # 4. scripts/gpu_bench.py at 512 and 32k (mlx-lm bf16 in the same run), in the form that was faster at 32k.
 set -uo pipefail
@@ -24,6 +25,7 @@ VARIANTS="MLXKV_CUDA_MMA=1 MLXKV_CUDA_MMA=2 MLXKV_CUDA_MMA=1,MLXKV_CUDA_TARGET_B
   CONTEXTS=32768 bash scripts/gpu_kernel_ab.sh | tee "$OUT/ab-32k.txt"
 VARIANTS="MLXKV_CUDA_MMA=1 MLXKV_CUDA_MMA=2" CONTEXTS="512 131072" bash scripts/gpu_kernel_ab.sh | tee "$OUT/ab-ends.txt"
 VARIANTS="MLXKV_CUDA_MMA=1 MLXKV_CUDA_MMA=2" CONTEXTS=32768 bash scripts/gpu_kernel_stalls.sh | tee "$OUT/stalls-32k.txt"
+for f in 2 1; do timeout 60 python3 scripts/gpu_kernel_ablate.py --form $f --context 32768 2>&1 | tail -n 8; done
 form=$(python3 - "$OUT/ab-32k.txt" <<'PY'
 import re, sys
 t = {m[0]: float(m[1]) for m in re.findall(r"^MLXKV_CUDA_MMA=(\d) ctx 32768: median ([\d.]+)", open(sys.argv[1]).read(), re.M)}
@@ -33,7 +35,7 @@ PY
 echo "== bench form $form"
 export MLXKV_CUDA_MMA=$form
 step host-step 40 python3 scripts/host_step.py --kinds mlx-lm,default,kernel,packed-kernel --repeats 3
-step bench 170 python3 scripts/gpu_bench.py --contexts 512,32768 --no-prefill --repeats 2 --budget-s 115 \
+step bench 170 python3 scripts/gpu_bench.py --contexts 512,32768 --no-prefill --repeats 2 --budget-s 100 \
   --output "$OUT/h200-llama-8b-next.json"
 tail -n 16 "$OUT/bench.log"
 # the device hands back at most 8 files: everything in one archive

@@ -72,3 +72,19 @@ def test_the_ring_never_refills_a_stage_before_it_is_read():
             committed += 1
             complete = committed - (count - 1)  # what wait_group(count - 1) guarantees
             assert complete >= it + 1
+
+
+def test_the_ablation_script_edits_apply_to_both_forms():
+    """scripts/gpu_kernel_ablate.py takes parts out of the kernel text by substitution: each must still
+    match the bodies (an edit of a body that breaks one fails here, not on the device)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "gpu_kernel_ablate.py"
+    spec = importlib.util.spec_from_file_location("gpu_kernel_ablate", path)
+    ablate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ablate)
+    for variant, forms in ablate.EDITS.items():
+        for form in forms:
+            full, cut = ablate.ablated_body(form, "full"), ablate.ablated_body(form, variant)
+            assert cut != full and len(cut) >= len(full), (variant, form)

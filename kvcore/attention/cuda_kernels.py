@@ -144,9 +144,10 @@ def _scale(scale: float) -> mx.array:
 
 
 def partials(q: mx.array, launch: Launch, plan: Plan, scale: float, heads: int, split: tuple[int, int] | None = None,
-             sinks: mx.array | None = None, fused: bool = False):
+             sinks: mx.array | None = None, fused: bool = False, kernel=None):
     """One launch: (m, l, acc) partial softmax per split, shapes from `Plan.partial_shapes`, and
-    with `fused` the merged output (B, Hq, N, Dv) in q's dtype as a fourth array."""
+    with `fused` the merged output (B, Hq, N, Dv) in q's dtype as a fourth array. `kernel`: another
+    build of the plan's text to launch the same way (scripts/gpu_kernel_ablate.py), else the plan's own."""
     B, Hq, N, _ = q.shape
     if split is None:
         chunk, nsplit, grid, shapes = _geometry(plan, B, heads, -(-launch.columns // plan.tile))
@@ -154,7 +155,7 @@ def partials(q: mx.array, launch: Launch, plan: Plan, scale: float, heads: int, 
         (chunk, nsplit), grid, shapes = split, plan.grid(split[1], heads, B), plan.partial_shapes(B, heads, split[1])
     base = _next_slot() if fused else 0
     sk = _sinks(sinks)
-    return _kernel(plan, fused, sinks is not None, q.dtype)(
+    return (kernel or _kernel(plan, fused, sinks is not None, q.dtype))(
         inputs=[q, *launch.k_arrays, *launch.v_arrays, launch.k_book, launch.v_book, launch.rows,
                 _ints(chunk, nsplit, launch.v_head, table_width(launch)), _scale(scale),
                 _counters() if fused else dummy(mx.int32), _ints(base), sk,
