@@ -122,7 +122,7 @@ __device__ __forceinline__ void load_words(uint32_t* dst, const unsigned char* p
 }
 """
 
-# the part both forms share: constants, the query fragments, the stride checks, the accumulators
+# the part both forms share: constants, the stride checks, the accumulators (then QUERIES, the query fragments)
 PRELUDE = r"""
   constexpr int EPK = 32 / KB, PPK = 16 / KB, WTK = KRW / 4, NKB = D / 16;
   constexpr int EPV = 32 / VB, PPV = 16 / VB, WTV = VRW / 8, NMB = DV / 16;
@@ -133,6 +133,17 @@ PRELUDE = r"""
   const int g = lane >> 2, c = lane & 3;
   float* scratch = reinterpret_cast<float*>(smem);
 
+  const long long ktb = kw_strides[2] * 4ll, vtb = vw_strides[2] * 4ll;
+  const bool kvec = ((reinterpret_cast<unsigned long long>(kw) | (kw_strides[0] * 4ull) | (kw_strides[1] * 4ull) |
+                      (ktb * 1ull)) % 16) == 0;
+  const bool vvec = ((reinterpret_cast<unsigned long long>(vw) | (vw_strides[0] * 4ull) | (vw_strides[1] * 4ull) |
+                      (vtb * 1ull)) % 16) == 0;
+  float acc[NMB][4];  // O^T: dims (g, g + 8) of m-block m x query vectors (2c, 2c + 1)
+#pragma unroll
+  for (int m = 0; m < NMB; m++) { acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = 0.f; }
+"""
+
+QUERIES = r"""
   // query fragments: query vector qc * QVB + g, this lane's dims of k-block i (A rows of S = Q K^T in form 1,
   // B columns of S^T = K Q^T in form 2: the same two registers)
   uint32_t qa[NKB][2];
@@ -149,14 +160,6 @@ PRELUDE = r"""
                          static_cast<float>(q[qo + (d0 + 1 + PPK) * q_strides[3]]) * sc);
     }
   }
-  const long long ktb = kw_strides[2] * 4ll, vtb = vw_strides[2] * 4ll;
-  const bool kvec = ((reinterpret_cast<unsigned long long>(kw) | (kw_strides[0] * 4ull) | (kw_strides[1] * 4ull) |
-                      (ktb * 1ull)) % 16) == 0;
-  const bool vvec = ((reinterpret_cast<unsigned long long>(vw) | (vw_strides[0] * 4ull) | (vw_strides[1] * 4ull) |
-                      (vtb * 1ull)) % 16) == 0;
-  float acc[NMB][4];  // O^T: dims (g, g + 8) of m-block m x query vectors (2c, 2c + 1)
-#pragma unroll
-  for (int m = 0; m < NMB; m++) { acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = 0.f; }
 """
 
 # O^T += V^T P^T for one 16-token step: this lane's V words of tokens (2c, 2c + 1, 2c + 8, 2c + 9) in vwd,
@@ -302,4 +305,4 @@ LOOP = r"""
   if (c == 0 && real) { wm[warp * 8 + g] = m_run; wl[warp * 8 + g] = lq; }
 """
 
-BODY = PRELUDE + LOOP + MERGE
+BODY = PRELUDE + QUERIES + LOOP + MERGE

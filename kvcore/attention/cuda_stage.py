@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from .cuda_mma import MERGE, PRELUDE, VALUES
+from .cuda_mma import MERGE, PRELUDE, QUERIES, VALUES
 
 TOKENS = 16  # a warp's tile: one mma n-block pair of keys, one k-block of values
 BANKS = 32
@@ -196,8 +196,8 @@ LOOP = r"""
     cp_async_commit();
   };
 #pragma unroll
-  for (int i = 0; i < STG - 1; i++) issue(i);
-
+  for (int i = 0; i < STG - 1; i++) issue(i);  // in flight while the query fragments load
+""" + QUERIES + r"""
   for (int it = 0; it < n_it; it++) {
     const int t0 = tstart + it * 16 * NWARP;
     const unsigned char* st = ring + (it % STG) * STB;
