@@ -32,6 +32,7 @@ from kvcore.bench.measure import step_weight_bytes, weight_bytes
 from kvcore.bench.shapes import build_random_model
 from kvcore.cache import CompressedKVCache
 from kvcore.engine import Engine, GenerateConfig, Request, kv_summary
+from kvcore.policy import KVOptions, resolve_policy
 from kvcore.transient import PrefillMemory
 
 OUT = Path(os.environ.get("OUT", "gpu-out"))
@@ -131,6 +132,19 @@ def mlx_lm_decode(model, cfg, ctx: int, gen: int, kv_bits: int | None = None) ->
             "kv_bytes": sum(c.nbytes for c in caches)}
 
 
+PREFILL_VARIANTS = {  # issue 14's extra prefill cases at the longest context: (label, KVOptions beyond the scheme)
+    "affine:4 start 5000": ("affine:4", {"quantized_kv_start": 5000}),  # a delayed conversion: the array-mask path
+    "affine:4 window 8192": ("affine:4", {"max_kv_size": 8192}),
+}
+
+
+def prefill_policy(scheme: str):
+    if scheme in PREFILL_VARIANTS:
+        base, extra = PREFILL_VARIANTS[scheme]
+        return resolve_policy(KVOptions(kv=base, **{"quantized_kv_start": 0, **extra}))
+    return scheme_policy(scheme)
+
+
 def prefill_case(model, config: dict, scheme: str | None, ctx: int) -> dict:
     """Time to first token for a random `ctx`-token prompt (scheme None: mlx-lm bf16)."""
     prompt = mx.random.randint(3, min(30000, model.args.vocab_size), (ctx,)).tolist()
@@ -142,7 +156,7 @@ def prefill_case(model, config: dict, scheme: str | None, ctx: int) -> dict:
         next(generate_step(mx.array(prompt), model, max_tokens=1, prefill_step_size=2048))
         kv = None
     else:
-        policy = scheme_policy(scheme)
+        policy = prefill_policy(scheme)
         memory = PrefillMemory(model, config, policy)  # as the jobs run it: bounded by the memory model
         engine = Engine(model, None, policy, 1, GenerateConfig(prefill_chunk=2048, prefill_memory=memory),
                         ignore_eos=True)
@@ -252,7 +266,8 @@ def main() -> None:
         for i, (eng, scheme, kernel) in enumerate(engines):
             case(eng, scheme, ctx, rows, runs[i], {"kernel": kernel} if eng == "mlxkv" else None)
     for ctx in prefills:
-        for scheme in (None, "affine:4"):
+        schemes = [None, "affine:4", "turbo:k4v3"] + (list(PREFILL_VARIANTS) if ctx == max(prefills) else [])
+        for scheme in schemes:
             if over():
                 break
             r = guarded(prefill_case, model, cfg, scheme, ctx)
