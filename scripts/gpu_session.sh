@@ -2,7 +2,8 @@
 # One device session (about 8 minutes): what a change to the decode kernel needs checked and timed on the
 # GPU, most valuable first, each part under its own time limit.
 #   source /var/tmp/mlxw/gpu-env.sh && OUT=/some/folder bash scripts/gpu_session.sh
-# 1. the kernel tests in both tensor-core forms (kernel == portable on this device);
+# 1. the kernel tests in both tensor-core forms (kernel == portable on this device), then the kernel against the
+#    portable path end to end (scripts/gpu_kernel_e2e.py: KL per step over 1 000 decode steps of llama-1b);
 # 2. scripts/gpu_kernel_ab.sh: the decode launch's device time per form and split target at 512, 32k and
 #    128k tokens, then scripts/gpu_kernel_stalls.sh (why each form's warps wait) and
 #    scripts/gpu_kernel_ablate.py (what each part of the body costs), at 32k;
@@ -21,6 +22,7 @@ pytest_args=(-q -p no:cacheprovider -n 8 --timeout 60 -rfEs)
 MLXKV_CUDA_MMA=2 step tests-staged 90 python3 -m pytest "${pytest_args[@]}" tests/test_cuda_mma.py tests/test_cuda_decode.py \
   tests/test_cuda_steady.py tests/test_paged.py
 step tests-default 50 python3 -m pytest "${pytest_args[@]}" tests/test_cuda_decode.py
+step e2e 60 python3 scripts/gpu_kernel_e2e.py --shape llama-1b --steps 1000
 VARIANTS="MLXKV_CUDA_MMA=1 MLXKV_CUDA_MMA=2 MLXKV_CUDA_MMA=1,MLXKV_CUDA_TARGET_BLOCKS=264 MLXKV_CUDA_MMA=2,MLXKV_CUDA_TARGET_BLOCKS=264" \
   CONTEXTS=32768 bash scripts/gpu_kernel_ab.sh | tee "$OUT/ab-32k.txt"
 VARIANTS="MLXKV_CUDA_MMA=1 MLXKV_CUDA_MMA=2" CONTEXTS="512 131072" bash scripts/gpu_kernel_ab.sh | tee "$OUT/ab-ends.txt"
