@@ -57,10 +57,19 @@ def qmm_attention(q: mx.array, key_parts, value_parts, key_codec, value_codec, s
     return out.reshape(B, Hq, N, -1).astype(q.dtype)
 
 
-def compute_dtype(q_dtype, key_scales, value_scales):
-    """The dtype both products run in: the scales' own fp16 for bf16 queries (fp16 has 3 more mantissa
-    bits for scores and probabilities, and the cache's scale arrays, as long as the context, are then read
-    as stored instead of cast every step), else the queries' dtype."""
+HALF = (mx.float16, mx.bfloat16)
+
+
+def compute_dtype(q_dtype, key_scales, value_scales, backend: str | None = None):
+    """The dtype both products run in.
+    - CPU: float32 for half-precision queries. MLX's CPU quantized_matmul emulates half arithmetic:
+      bf16 queries at 2k tokens decoded at 102 ms a step in fp16, 15.8 in bf16 and 4.3 in float32 (the
+      scales then cast every step, a pass over 1/8 of the packed bytes; BENCHMARKS.md).
+    - Metal: the scales' own fp16 for bf16 queries (fp16 has 3 more mantissa bits for scores and
+      probabilities, and the cache's scale arrays, as long as the context, are then read as stored
+      instead of cast every step), else the queries' dtype."""
+    if q_dtype in HALF and (backend or backend_name()) == "cpu":
+        return mx.float32
     if q_dtype == mx.bfloat16 and key_scales == mx.float16 and value_scales == mx.float16:
         return mx.float16
     return q_dtype
