@@ -215,3 +215,41 @@ def test_a_steady_layer_keeps_its_packed_word_decode():
     view, _ = other.update_and_fetch(mx.random.normal((1, 2, 1, 64)), mx.random.normal((1, 2, 1, 64)))
     kv_attention(mx.random.normal((1, 4, 1, 64)), view, 0.125, None, AttentionConfig(qmm=True))
     assert "launch" not in other.memo
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("n_queries,sinks", [(1, False), (1, True), (3, False)])
+def test_a_recent_dense_tail_is_read_from_packed_words_too(dtype, n_queries, sinks):
+    """affine:4/r16: the view holds an encoded past (read from its words), the recent tokens' shadow and
+    the dense tail; one softmax over all three equals the portable path (decode everything, then attend)."""
+    from kvcore.attention import qmm
+
+    if MLX_LM_QUANTIZED_FAILS:
+        pytest.skip("quantized_matmul has no kernel for these shapes on this backend")
+    mx.random.seed(7)
+    T = 300
+    cache = CompressedKVCache(CodecSpec("affine", 4, 64), start=0, recent=16)
+    k, v = mx.random.normal((1, 2, T, 64)).astype(dtype), mx.random.normal((1, 2, T, 64)).astype(dtype)
+    cache.update_and_fetch(k, v)
+    view, _ = cache.update_and_fetch(k[:, :, :n_queries], v[:, :, :n_queries])
+    assert [s.kind for s in view.segments] == ["encoded", "shadow", "dense"] and qmm.segments_apply(
+        mx.zeros((1, 6, n_queries, 64), dtype), view)
+    q = mx.random.normal((1, 6, n_queries, 64)).astype(dtype)
+    sk = mx.random.normal((6,)).astype(dtype) if sinks else None  # the model's dtype, as its attention holds them
+    before = dict(cache.stats.calls)
+    fast = kv_attention(q, view, 0.125, sk)
+    assert cache.stats.calls.get("qmm", 0) == before.get("qmm", 0) + 1  # served from the words
+    ref = kv_attention(q, view, 0.125, sk, AttentionConfig(qmm=False))
+    tol = 2e-3 if dtype == mx.float32 else 2e-2
+    err = (mx.abs(fast.astype(mx.float32) - ref.astype(mx.float32)).max() / mx.abs(ref.astype(mx.float32)).max()).item()
+    assert fast.shape == ref.shape and err <= tol, err
+
+
+def test_a_windowed_view_keeps_the_general_path():
+    from kvcore.attention import qmm
+
+    cache = CompressedKVCache(CodecSpec("affine", 4, 64), start=0, window=64, recent=16)
+    k = mx.random.normal((1, 2, 200, 64))
+    cache.update_and_fetch(k, k)
+    view, _ = cache.update_and_fetch(k[:, :, :1], k[:, :, :1])
+    assert not qmm.segments_apply(mx.zeros((1, 4, 1, 64)), view)

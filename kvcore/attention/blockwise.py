@@ -68,6 +68,9 @@ def kv_attention(q: mx.array, view: KVView, scale: float, sinks: mx.array | None
             view.memo["launch"] = kept_qmm  # the layer's next steps go straight to it (hook._sdpa)
         mask = None if view.n_queries == 1 else segs[0].visible(view.q_positions, 0, segs[0].length, None, 0)
         return qmm.qmm_attention(q, *segs[0].parts(), segs[0].key_codec, segs[0].value_codec, scale, mask, sinks)
+    if cfg.accelerated and cfg.qmm and len(segs) > 1 and qmm.segments_apply(q, view):  # e.g. a recent dense tail
+        _count(stats, "qmm")
+        return qmm.segments_attention(q, view, scale, sinks)
     if cfg.block is None:  # one fused call over a layer-sized scratch, if it fits the budget
         out = prefill.fused_attention(q, view, scale, sinks, cfg.scratch_limit)
         if out is not None:

@@ -26,6 +26,56 @@ def applies(q: mx.array, key_codec, value_codec, has_mask_rules: bool) -> bool:
             and _affine_channel(key_codec) and _affine_channel(value_codec))
 
 
+def segments_apply(q: mx.array, view) -> bool:
+    """Whether `segments_attention` serves this view: no window, every encoded segment per-token affine
+    (read from its words), the others dense, none in a rotated basis (a recent tail: `affine:4/r16`)."""
+    if q.shape[2] > MAX_QUERIES or backend_name() == "cuda" or view.window is not None:
+        return False
+    encoded = [s for s in view.segments if s.kind == "encoded"]
+    return bool(encoded) and all(s.rotation is None for s in view.segments) and all(
+        s.block_tokens == 1 and _affine_channel(s.key_codec) and _affine_channel(s.value_codec) for s in encoded)
+
+
+def segments_attention(q: mx.array, view, scale: float, sinks: mx.array | None = None) -> mx.array:
+    """Decode attention over a view of several segments (an encoded past, a recent dense tail, its
+    shadow): encoded segments scored and summed from their packed words, dense ones by matmul, one
+    softmax over all the columns, each segment under its own visibility -> (B, Hq, N, Dv)."""
+    B, Hq, N, D = q.shape
+    Hkv, segs = view.heads, [s for s in view.segments if s.length]
+    rep = Hq // Hkv
+    enc = next(s for s in segs if s.kind == "encoded")
+    dt = compute_dtype(q.dtype, enc.parts()[0][1].dtype, enc.parts()[1][1].dtype)
+    qg = (q * scale).astype(dt).reshape(B, Hkv, rep * N, D)
+    scores, stored = [], []
+    for seg in segs:
+        if seg.kind == "encoded":
+            (wk, sk, bk), vparts = seg.parts()
+            sc = mx.quantized_matmul(qg, wk, as_dtype(sk, dt), as_dtype(bk, dt), transpose=True,
+                                     group_size=seg.key_codec.group, bits=seg.key_codec.bits)
+        else:
+            k, vparts = seg.dense(0, seg.length, dt)
+            sc = qg @ k.swapaxes(-1, -2)
+        visible = seg.visible(view.q_positions, 0, seg.length, None, 0)  # (N, T)
+        scores.append(mx.where(visible, sc.astype(mx.float32).reshape(B, Hkv, rep, N, -1), -1e30))
+        stored.append((seg, vparts))
+    if sinks is not None:
+        scores.insert(0, mx.broadcast_to(sinks.astype(mx.float32).reshape(1, Hkv, rep, 1, 1), (B, Hkv, rep, N, 1)))
+    p = mx.softmax(mx.concatenate(scores, axis=-1), axis=-1)
+    lo = 1 if sinks is not None else 0
+    out = None
+    for seg, vparts in stored:
+        pi = p[..., lo : lo + seg.length].reshape(B, Hkv, rep * N, -1).astype(dt)
+        lo += seg.length
+        if seg.kind == "encoded":
+            wv, sv, bv = vparts
+            o = mx.quantized_matmul(pi, wv, as_dtype(sv, dt), as_dtype(bv, dt), transpose=False,
+                                    group_size=seg.value_codec.group, bits=seg.value_codec.bits)
+        else:
+            o = pi @ vparts
+        out = o if out is None else out + o
+    return out.reshape(B, Hq, N, -1).astype(q.dtype)
+
+
 def qmm_attention(q: mx.array, key_parts, value_parts, key_codec, value_codec, scale: float,
                   mask: mx.array | None = None, sinks: mx.array | None = None) -> mx.array:
     """q: (B, Hq, N, D); parts: (B, Hkv, T, ...) packed words, scales, biases; mask broadcastable
