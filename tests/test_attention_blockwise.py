@@ -155,7 +155,6 @@ def test_quantized_matmul_decode_of_bf16_queries_reads_the_scales_as_stored(monk
     """bf16 queries over fp16 scales: off the CPU both products run in fp16 (no per-step cast of the
     cache's context-long scale arrays); everywhere at least as close to a float32 reference as the bf16
     products were."""
-    from kvcore.backend import backend_name
     from kvcore.attention import qmm
 
     if MLX_LM_QUANTIZED_FAILS:
