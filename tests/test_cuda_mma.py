@@ -49,11 +49,29 @@ def _perm(a: int, b: int, sel: int) -> int:
     return (a & 0xFFFF) | ((b & 0xFFFF) << 16) if sel == 0x5410 else (a >> 16) | ((b >> 16) << 16)
 
 
+def _query_pairs(q: np.ndarray, g: int, c: int, i: int, bits: int, wtk: int):
+    """Lane (g, c)'s two query registers of k-block i (query vector g; the dims both arrangements permute
+    the same way): k columns (2c, 2c + 1), then (2c + 8, 2c + 9)."""
+    EPK, PPK = 32 // bits, 16 // bits
+    d0 = EPK * (wtk * c + i // (PPK // 2)) + 2 * (i % (PPK // 2))
+    return np.float16(q[g, [d0, d0 + PPK]]), np.float16(q[g, [d0 + 1, d0 + 1 + PPK]])
+
+
+def _key_pairs(kw, ks, kz, t: int, c: int, i: int, bits: int, group: int):
+    """Lane (g, c)'s two dequantized key pairs of token t for k-block i, from its own words: k columns
+    (2c, 2c + 1), then (2c + 8, 2c + 9)."""
+    EPK, PPK, WTK, KPL = 32 // bits, 16 // bits, kw.shape[1] // 4, kw.shape[1] * 8 // bits
+    NGT = KPL // group if KPL >= group else 1
+    j, e = i // (PPK // 2), i % (PPK // 2)
+    w = [int(x) for x in kw[t, WTK * c : WTK * c + WTK]]
+    grp = (KPL * c + ((j * EPK) // group if NGT > 1 else 0) * group) // group
+    sz = ((ks[t, grp],) * 2, (kz[t, grp],) * 2)
+    return _deq2(_pair(w[j], bits * 2 * e, bits), *sz), _deq2(_pair(w[j], bits * (2 * e + 1), bits), *sz)
+
+
 def emulate_scores(q: np.ndarray, kw, ks, kz, bits: int, group: int) -> np.ndarray:
     """S (query vectors, 16 tokens): the body's Q and K fragments through two n-blocks of mma."""
-    D = q.shape[1]
-    EPK, PPK, WTK, NKB, KPL = 32 // bits, 16 // bits, kw.shape[1] // 4, D // 16, D // 4
-    NGT = KPL // group if KPL >= group else 1
+    WTK, NKB = kw.shape[1] // 4, q.shape[1] // 16
     S = np.zeros((8, 16), np.float32)
     for nb in range(2):
         acc = np.zeros((16, 8), np.float32)
@@ -61,18 +79,9 @@ def emulate_scores(q: np.ndarray, kw, ks, kz, bits: int, group: int) -> np.ndarr
             A = np.zeros((16, 16), np.float32)
             B = np.zeros((16, 8), np.float32)
             for g, c in LANES:
-                j, e = i // (PPK // 2), i % (PPK // 2)
-                d0 = EPK * (WTK * c + j) + 2 * e
                 if g < q.shape[0]:
-                    A[g, 2 * c : 2 * c + 2] = np.float16(q[g, [d0, d0 + PPK]])
-                    A[g, 2 * c + 8 : 2 * c + 10] = np.float16(q[g, [d0 + 1, d0 + 1 + PPK]])
-                t = 8 * nb + g
-                w = [int(x) for x in kw[t, WTK * c : WTK * c + WTK]]
-                u = (j * EPK) // group if NGT > 1 else 0
-                grp = (KPL * c + u * group) // group
-                sz = ((ks[t, grp],) * 2, (kz[t, grp],) * 2)
-                B[2 * c : 2 * c + 2, g] = _deq2(_pair(w[j], bits * 2 * e, bits), *sz)
-                B[2 * c + 8 : 2 * c + 10, g] = _deq2(_pair(w[j], bits * (2 * e + 1), bits), *sz)
+                    A[g, 2 * c : 2 * c + 2], A[g, 2 * c + 8 : 2 * c + 10] = _query_pairs(q, g, c, i, bits, WTK)
+                B[2 * c : 2 * c + 2, g], B[2 * c + 8 : 2 * c + 10, g] = _key_pairs(kw, ks, kz, 8 * nb + g, c, i, bits, group)
             acc += A @ B
         for g, c in LANES:
             if g < 8:
@@ -117,26 +126,16 @@ def emulate_scores_keys_as_a(q: np.ndarray, kw, ks, kz, bits: int, group: int) -
     """S (query vectors, 16 tokens) as the staged form takes it, S^T = K Q^T: the same deq pairs of tokens
     g (a0, a2) and g + 8 (a1, a3) as A's rows, the query fragments as B's columns, read back from C's
     layout (lane (g, c): tokens g, g + 8 x query vectors 2c, 2c + 1)."""
-    D = q.shape[1]
-    EPK, PPK, WTK, NKB, KPL = 32 // bits, 16 // bits, kw.shape[1] // 4, D // 16, D // 4
-    NGT = KPL // group if KPL >= group else 1
+    WTK, NKB = kw.shape[1] // 4, q.shape[1] // 16
     acc = np.zeros((16, 8), np.float32)
     for i in range(NKB):
         A = np.zeros((16, 16), np.float32)
         B = np.zeros((16, 8), np.float32)
         for g, c in LANES:
-            j, e = i // (PPK // 2), i % (PPK // 2)
-            d0 = EPK * (WTK * c + j) + 2 * e
             if g < q.shape[0]:
-                B[2 * c : 2 * c + 2, g] = np.float16(q[g, [d0, d0 + PPK]])
-                B[2 * c + 8 : 2 * c + 10, g] = np.float16(q[g, [d0 + 1, d0 + 1 + PPK]])
-            u = (j * EPK) // group if NGT > 1 else 0
-            grp = (KPL * c + u * group) // group
+                B[2 * c : 2 * c + 2, g], B[2 * c + 8 : 2 * c + 10, g] = _query_pairs(q, g, c, i, bits, WTK)
             for row in (g, g + 8):
-                w = [int(x) for x in kw[row, WTK * c : WTK * c + WTK]]
-                sz = ((ks[row, grp],) * 2, (kz[row, grp],) * 2)
-                A[row, 2 * c : 2 * c + 2] = _deq2(_pair(w[j], bits * 2 * e, bits), *sz)
-                A[row, 2 * c + 8 : 2 * c + 10] = _deq2(_pair(w[j], bits * (2 * e + 1), bits), *sz)
+                A[row, 2 * c : 2 * c + 2], A[row, 2 * c + 8 : 2 * c + 10] = _key_pairs(kw, ks, kz, row, c, i, bits, group)
         acc += A @ B
     S = np.zeros((8, 16), np.float32)
     for g, c in LANES:
