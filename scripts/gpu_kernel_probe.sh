@@ -13,20 +13,7 @@ for ctx in 512 32768; do
     python3 scripts/gpu_ncu_step.py --kind "$KIND" --context $ctx --layers 2 --steps 3 > "$OUT/full-$ctx.txt" 2>&1
   echo "== full $ctx rc=$?"; grep -E "Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit|Memory Throughput|DRAM Throughput|Local|Warp Cycles Per Issued|Grid Size|Shared Memory Config|Dynamic Shared" "$OUT/full-$ctx.txt" | head -30
 done
-for tb in ${TBS:-528 1056 2112 4224}; do
-  for ctx in 32768 131072; do
-    MLXKV_CUDA_TARGET_BLOCKS=$tb timeout 90 $NCU --clock-control none --metrics gpu__time_duration.sum,dram__bytes_read.sum --csv \
-      -k regex:mlxkv_decode python3 scripts/gpu_ncu_step.py --kind "$KIND" --context $ctx --layers 2 --steps 3 > "$OUT/tb-$tb-$ctx.csv" 2>/dev/null
-    python3 - "$OUT/tb-$tb-$ctx.csv" "$tb" "$ctx" <<'PY'
-import csv, sys
-rows = list(csv.reader(open(sys.argv[1])))
-hdr = next((r for r in rows if "Kernel Name" in r), None)
-if hdr is None:
-    print("no data", sys.argv[2:]); raise SystemExit
-data = [dict(zip(hdr, r)) for r in rows if len(r) == len(hdr) and r is not hdr]
-for d in data[-4:]:
-    print("tb", sys.argv[2], "ctx", sys.argv[3], d["Kernel Name"][:32], d["Grid Size"], d["Metric Name"], d["Metric Value"])
-PY
-  done
-done
+variants=""
+for tb in ${TBS:-528 1056 2112 4224}; do variants="$variants MLXKV_CUDA_TARGET_BLOCKS=$tb"; done
+KIND="$KIND" VARIANTS="$variants" CONTEXTS="32768 131072" bash scripts/gpu_kernel_ab.sh
 exit 0

@@ -5,7 +5,7 @@
 # 1. the kernel tests in both tensor-core forms (kernel == portable on this device), then the kernel against the
 #    portable path end to end (scripts/gpu_kernel_e2e.py: KL per step over 1 000 decode steps of llama-1b);
 # 2. scripts/gpu_kernel_ab.sh: the decode launch's device time per form and split target at 512, 32k and
-#    128k tokens, then scripts/gpu_kernel_stalls.sh (why each form's warps wait) and
+#    128k tokens, then its MODE=stalls (why each form's warps wait) and
 #    scripts/gpu_kernel_ablate.py (what each part of the body costs), at 32k;
 # 3. scripts/host_step.py (host us per layer against mlx-lm's, real kernels);
 # 4. scripts/gpu_bench.py at 512 and 32k (mlx-lm bf16 in the same run), in the form that was faster at 32k.
@@ -26,7 +26,7 @@ step e2e 60 python3 scripts/gpu_kernel_e2e.py --shape llama-1b --steps 1000
 VARIANTS="MLXKV_CUDA_MMA=1 MLXKV_CUDA_MMA=2 MLXKV_CUDA_MMA=1,MLXKV_CUDA_TARGET_BLOCKS=264 MLXKV_CUDA_MMA=2,MLXKV_CUDA_TARGET_BLOCKS=264" \
   CONTEXTS=32768 bash scripts/gpu_kernel_ab.sh | tee "$OUT/ab-32k.txt"
 VARIANTS="MLXKV_CUDA_MMA=1 MLXKV_CUDA_MMA=2" CONTEXTS="512 131072" bash scripts/gpu_kernel_ab.sh | tee "$OUT/ab-ends.txt"
-VARIANTS="MLXKV_CUDA_MMA=1 MLXKV_CUDA_MMA=2" CONTEXTS=32768 bash scripts/gpu_kernel_stalls.sh | tee "$OUT/stalls-32k.txt"
+MODE=stalls VARIANTS="MLXKV_CUDA_MMA=1 MLXKV_CUDA_MMA=2" CONTEXTS=32768 bash scripts/gpu_kernel_ab.sh | tee "$OUT/stalls-32k.txt"
 for f in 2 1; do timeout 60 python3 scripts/gpu_kernel_ablate.py --form $f --context 32768 2>&1 | tail -n 8; done
 form=$(python3 - "$OUT/ab-32k.txt" <<'PY'
 import re, sys

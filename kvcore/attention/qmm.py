@@ -43,8 +43,8 @@ def segments_attention(q: mx.array, view, scale: float, sinks: mx.array | None =
     B, Hq, N, D = q.shape
     Hkv, segs = view.heads, [s for s in view.segments if s.length]
     rep = Hq // Hkv
-    enc = next(s for s in segs if s.kind == "encoded")
-    dt = compute_dtype(q.dtype, enc.parts()[0][1].dtype, enc.parts()[1][1].dtype)
+    (_, enc_ks, _), (_, enc_vs, _) = next(s for s in segs if s.kind == "encoded").parts()
+    dt = compute_dtype(q.dtype, enc_ks.dtype, enc_vs.dtype)
     qg = (q * scale).astype(dt).reshape(B, Hkv, rep * N, D)
     scores, stored = [], []
     for seg in segs:
