@@ -28,7 +28,7 @@ def _transient(convert) -> tuple[int, list]:
 
 def _all_at_once(caches):
     for c in caches:
-        c.convert()
+        c.convert(piece=1 << 30)  # each layer whole and lazy: nothing evaluated between layers
     mx.eval([c.state for c in caches])
 
 

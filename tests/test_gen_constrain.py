@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from helpers import ROW_PROMPTS, per_family
 from kvcore.engine import Engine, GenerateConfig, Request, SamplingConfig, generate_one
-from kvcore.engine.constrain import ConstraintSpec
+from kvcore.engine.constrain import ConstraintSpec, too_old
 from kvcore.errors import MlxkvError
 from kvcore.models import load_model
 from kvcore.policy import KVOptions, build_caches, resolve_policy
@@ -175,3 +175,10 @@ def test_constrained_masks_are_computed_while_the_next_forward_runs(llama, monke
     monkeypatch.undo()
     for s in steps[1:-1]:
         assert s == ["mask", "mask", "readback", "async_eval"], steps
+
+
+def test_an_llguidance_that_takes_one_eos_token_is_refused_by_version():
+    # 1.6 takes one EOS id, so every tokenizer with an EOS list failed deep inside it (seen on the H200's wheels)
+    assert too_old("1.6.1") == "1.6.1" and too_old("1.0.0") == "1.0.0"
+    assert too_old("1.7.0") is None and too_old("1.9.1") is None and too_old("2.0") is None
+    assert too_old(None) is None and too_old("main") is None

@@ -34,7 +34,32 @@ def _llguidance():
         import llguidance.hf
     except ImportError:
         raise MlxkvError("constrained decoding needs llguidance: pip install 'mlxkv[constrain]'") from None
+    old = too_old(getattr(llguidance, "__version__", None) or _dist_version("llguidance"))
+    if old:
+        raise MlxkvError(f"constrained decoding needs llguidance >= {'.'.join(map(str, LLGUIDANCE_MIN))} (found "
+                         f"{old}: it takes one EOS token, not a tokenizer's list): pip install -U 'mlxkv[constrain]'")
     return llguidance
+
+
+LLGUIDANCE_MIN = (1, 7)  # the first llguidance whose from_tokenizer takes a list of EOS tokens
+
+
+def too_old(version: str | None) -> str | None:
+    """`version` when it is below LLGUIDANCE_MIN (unparsable or unknown versions pass)."""
+    try:
+        parts = tuple(int(x) for x in (version or "").split(".")[:2])
+    except ValueError:
+        return None
+    return version if len(parts) == 2 and parts < LLGUIDANCE_MIN else None
+
+
+def _dist_version(name: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
 
 
 @dataclass(frozen=True)
