@@ -148,11 +148,6 @@ def sdpa_materializes_scores(dtype: mx.Dtype, head_dim: int, value_dim: int, n_q
 
 
 def score_copies(sinks: bool) -> int:
-    """Score-sized arrays alive at once in MLX's unfused SDPA: on CPU one (masking and softmax reuse
-    it), three with sinks (their concatenation, then its softmax and slice); on CUDA's fallback two
-    (H200, scripts/gpu_fit_peak_probe.py: a head-dim-16 float32 prefill held 17.7-19.4 bytes per
-    query-key pair beyond the one-copy model with 4 heads, one more copy and the causal mask). Sinks on
-    CUDA are not measured: counted as on CPU."""
-    if sinks:
-        return 3
-    return 2 if backend_name() == "cuda" else 1
+    """Score-sized arrays alive at once in MLX's unfused SDPA (measured on CPU): one (masking and
+    softmax reuse it), three with sinks (their concatenation, then its softmax and slice)."""
+    return 3 if sinks else 1

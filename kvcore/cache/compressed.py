@@ -32,8 +32,7 @@ from .view import DENSE, ENCODED, SHADOW, Joint, KVView, Segment
 
 TRIM_STEP = 128  # a multiple of every block size, so dropping never splits a block
 JOINT_CONCAT_TOKENS = 16  # joint storage: runs up to this many tokens are encoded in one call
-CONVERT_PIECE = 1024  # tokens encoded per call when a layer's stored tokens are converted at once (CUDA holds
-# an encode's float32 temporaries until its kernels finish: 2 048 tokens at once peaked at 1.13 layers there)
+CONVERT_PIECE = 4096  # tokens encoded per call when a layer's stored tokens are converted at once
 
 class CompressedKVCache(StateProtocol, _BaseCache):
     def __init__(
