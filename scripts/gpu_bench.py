@@ -202,6 +202,8 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny contexts (a CPU check of the script itself)")
     ap.add_argument("--contexts", default=None, help="only the decode cases of these contexts (e.g. 512,32768)")
     ap.add_argument("--no-prefill", action="store_true", help="skip the prefill cases")
+    ap.add_argument("--prefill-contexts", default=None,
+                    help="only these prefill contexts (e.g. 131072: the longest also runs the delayed-start and window cases)")
     a = ap.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     if a.tests:
@@ -244,6 +246,8 @@ def main() -> None:
     if a.contexts:
         keep = {int(c) for c in a.contexts.split(",")}
         plan = [p for p in plan if p[0] in keep]
+    if a.prefill_contexts:
+        prefills = tuple(int(c) for c in a.prefill_contexts.split(","))
     if a.no_prefill:
         prefills = ()
     if a.smoke:

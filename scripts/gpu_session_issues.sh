@@ -6,8 +6,8 @@
 # 1. issue 14, P3/P8: prefill peak under the memory model's plan at 32k and 128k, and 4-bit weights at 128k
 #    under a 10 GiB budget (scripts/gpu_prefill_memory.py --p8);
 # 2. issue 17: packed against paged batch rows at 16 x 8k and uneven rows, 2 repeats (the CUDA default);
-# 3. issue 14: prefill speed against mlx-lm bf16 at 32k, 64k and 128k, affine:4 and turbo:k4v3, and at 128k a
-#    delayed start and a window (scripts/gpu_bench.py, prefill cases only).
+# 3. issue 14: prefill speed against mlx-lm bf16 at 128k, affine:4 and turbo:k4v3, a delayed start and a window
+#    (scripts/gpu_bench.py, prefill cases only; run 8 has 32k and 64k).
 # The whole suite with the serve wheels is a call of its own (scripts/stage-serve-wheels, then
 # `source .gpu/c/serve-env.sh && OUT=... bash scripts/gpu_suite.sh`).
 set -uo pipefail
@@ -18,6 +18,6 @@ step fit-probe 70 python3 scripts/gpu_fit_peak_probe.py --contexts 1024,4096,819
 step prefill-memory 180 python3 scripts/gpu_prefill_memory.py --p8
 step batch 120 python3 scripts/gpu_bench.py --contexts 8192,-8192 --no-prefill --repeats 2 --budget-s 100 \
   --output "$RES/h200-llama-8b-batch.json"
-step prefill-speed 140 python3 scripts/gpu_bench.py --contexts 1 --repeats 1 --budget-s 120 \
+step prefill-speed 140 python3 scripts/gpu_bench.py --contexts 1 --prefill-contexts 131072 --repeats 1 --budget-s 120 \
   --output "$RES/h200-llama-8b-prefill.json"
 exit 0
