@@ -7,7 +7,7 @@
 # 2. the kernel tests in both forms (kernel == portable on this device), and the staged form end to end
 #    (scripts/gpu_kernel_e2e.py: KL per step over 1 000 decode steps of llama-1b, <= 1e-4);
 # 3. scripts/gpu_kernel_ab.sh: device time per form and split target (the default 528 blocks, 264) at 32k
-#    and 128k;
+#    and 128k, and form 2 at 5 blocks per SM (96 registers, 10 bytes spilled: scripts/cuda_compile_check.py);
 # 4. scripts/gpu_bench.py at 512, 32k and 128k (mlx-lm bf16 in the same run) in the variant with the
 #    smallest summed minimum of step 3.
 set -uo pipefail
@@ -21,8 +21,9 @@ step tests-staged 90 env MLXKV_CUDA_MMA=2 python3 -m pytest "${pytest_args[@]}" 
   tests/test_cuda_decode.py tests/test_cuda_steady.py tests/test_paged.py
 step tests-default 50 python3 -m pytest "${pytest_args[@]}" tests/test_cuda_decode.py
 step e2e-staged 45 env MLXKV_CUDA_MMA=2 python3 scripts/gpu_kernel_e2e.py --shape llama-1b --steps 1000
-step ab 140 env OUT="$RES" CONTEXTS="32768 131072" VARIANTS="MLXKV_CUDA_MMA=1 MLXKV_CUDA_MMA=1,MLXKV_CUDA_TARGET_BLOCKS=264 \
-MLXKV_CUDA_MMA=2 MLXKV_CUDA_MMA=2,MLXKV_CUDA_TARGET_BLOCKS=264" bash scripts/gpu_kernel_ab.sh
+step ab 170 env OUT="$RES" CONTEXTS="32768 131072" VARIANTS="MLXKV_CUDA_MMA=1 MLXKV_CUDA_MMA=1,MLXKV_CUDA_TARGET_BLOCKS=264 \
+MLXKV_CUDA_MMA=2 MLXKV_CUDA_MMA=2,MLXKV_CUDA_TARGET_BLOCKS=264 MLXKV_CUDA_MMA=2,MLXKV_CUDA_MIN_BLOCKS=5,MLXKV_CUDA_TARGET_BLOCKS=660" \
+  bash scripts/gpu_kernel_ab.sh
 best=$(python3 - "$RES/ab.log" <<'PY'
 import re, sys
 mins = {}
@@ -33,6 +34,6 @@ print(min(full, key=full.get) if full else "MLXKV_CUDA_MMA=1")
 PY
 )
 echo "== bench in $best"
-step bench 175 env $(echo "$best" | tr ',' ' ') python3 scripts/gpu_bench.py --contexts 512,32768,131072 --no-prefill \
-  --repeats 2 --budget-s 150 --output "$RES/h200-llama-8b-next.json"
+step bench 150 env $(echo "$best" | tr ',' ' ') python3 scripts/gpu_bench.py --contexts 512,32768,131072 --no-prefill \
+  --repeats 2 --budget-s 125 --output "$RES/h200-llama-8b-next.json"
 exit 0

@@ -58,8 +58,9 @@ def mma_smem(qvb: int, value_dim: int, warps: int) -> int:
 
 
 MMA_TILE = 64  # tokens per block round: 4 warps x 16
-MIN_BLOCKS = 4  # blocks of 128 threads resident per SM: registers capped at 128 a thread (2 for 256-dim values,
-                # whose 64 accumulator registers alone would spill under that cap)
+MIN_BLOCKS = int(os.environ.get("MLXKV_CUDA_MIN_BLOCKS", "4"))  # blocks of 128 threads resident per SM: 4 caps
+# registers at 128 a thread (2 for 256-dim values, whose 64 accumulator registers alone would spill under that
+# cap); MLXKV_CUDA_MIN_BLOCKS is for the device A/B of more warps against fewer registers
 
 # MLX's cuda_kernel writes `__global__ void name(` right after the header it is given and takes no launch
 # bounds, so the header's last lines give the kernel its bounds through the keyword itself: without them
