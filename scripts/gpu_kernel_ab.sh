@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Decode-kernel A/B under ncu, one line per variant (comma-separated environment settings) and context:
-#   MODE=time (default, about 15 s a case): device time of the steady decode launches, MB read, registers, grid;
+#   MODE=time (default, about 17 s a case): device time of the steady decode launches, MB read, registers, grid;
 #   MODE=stalls (about 20 s a case): ncu's stall reasons of one steady launch (warp cycles per issued
 #   instruction spent in each), largest first.
 #   source /var/tmp/mlxw/gpu-env.sh && OUT=/some/folder \
@@ -21,7 +21,7 @@ if [ "$MODE" = stalls ]; then
   launches=(--launch-skip 2 --launch-count 1) steps=3
 else
   metrics=gpu__time_duration.sum,dram__bytes_read.sum,launch__registers_per_thread,launch__grid_size
-  launches=() steps=4
+  launches=() steps=8  # 16 launches, 14 timed: medians moved 1.6x between identical 8-launch cases
 fi
 for variant in ${VARIANTS:-MLXKV_CUDA_MMA=1 MLXKV_CUDA_MMA=2}; do
   for ctx in ${CONTEXTS:-32768}; do
