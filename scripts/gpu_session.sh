@@ -21,7 +21,7 @@ step tests-staged 90 env MLXKV_CUDA_MMA=2 python3 -m pytest "${pytest_args[@]}" 
   tests/test_cuda_decode.py tests/test_cuda_steady.py tests/test_paged.py
 step tests-default 50 python3 -m pytest "${pytest_args[@]}" tests/test_cuda_decode.py
 step e2e-staged 45 env MLXKV_CUDA_MMA=2 python3 scripts/gpu_kernel_e2e.py --shape llama-1b --steps 1000
-step ab 170 env OUT="$RES" CONTEXTS="32768 131072" VARIANTS="MLXKV_CUDA_MMA=1 MLXKV_CUDA_MMA=1,MLXKV_CUDA_TARGET_BLOCKS=264 \
+step ab 185 env OUT="$RES" CONTEXTS="32768 131072" VARIANTS="MLXKV_CUDA_MMA=1 MLXKV_CUDA_MMA=1,MLXKV_CUDA_TARGET_BLOCKS=264 \
 MLXKV_CUDA_MMA=2 MLXKV_CUDA_MMA=2,MLXKV_CUDA_TARGET_BLOCKS=264 MLXKV_CUDA_MMA=2,MLXKV_CUDA_MIN_BLOCKS=5,MLXKV_CUDA_TARGET_BLOCKS=660" \
   bash scripts/gpu_kernel_ab.sh
 best=$(python3 - "$RES/ab.log" <<'PY'
@@ -34,6 +34,6 @@ print(min(full, key=full.get) if full else "MLXKV_CUDA_MMA=1")
 PY
 )
 echo "== bench in $best"
-step bench 150 env $(echo "$best" | tr ',' ' ') python3 scripts/gpu_bench.py --contexts 512,32768,131072 --no-prefill \
-  --repeats 2 --budget-s 125 --output "$RES/h200-llama-8b-next.json"
+step bench 135 env $(echo "$best" | tr ',' ' ') python3 scripts/gpu_bench.py --contexts 512,32768,131072 --no-prefill \
+  --repeats 2 --budget-s 110 --output "$RES/h200-llama-8b-next.json"
 exit 0
