@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from cuda_emulation import words
 
-from kvcore.attention import cuda_kernels, cuda_mma, cuda_stage
+from kvcore.attention import cuda_form3, cuda_kernels, cuda_mma, cuda_stage
 from kvcore.attention.cuda_launch import Plan, Side
 from kvcore.codecs import CodecSpec
 from kvcore.codecs.affine import AffineCodec
@@ -89,12 +89,15 @@ def emulate_scores(q: np.ndarray, kw, ks, kz, bits: int, group: int) -> np.ndarr
     return S
 
 
-def emulate_values(p: np.ndarray, vw, vs, vz, bits: int, group: int, dv: int) -> np.ndarray:
-    """O (query vectors, DV): P's fragments (as the softmax leaves them) through the body's V fragments."""
+def emulate_values(p: np.ndarray, vw, vs, vz, bits: int, group: int, dv: int, frags=None) -> np.ndarray:
+    """O (query vectors, DV): P's fragments (as form 1's softmax leaves them, or `frags`: each lane's two
+    half2 registers pb0 / pb1) through the body's V fragments."""
     EPV, PPV, WTV, NMB, VPL = 32 // bits, 16 // bits, vw.shape[1] // 8, dv // 16, dv // 8
     B = np.zeros((16, 8), np.float32)
-    for g, c in LANES:
-        if g < p.shape[0]:
+    for lane, (g, c) in enumerate(LANES):
+        if frags is not None:
+            B[2 * c : 2 * c + 2, g], B[2 * c + 8 : 2 * c + 10, g] = _halves(frags[lane][0]), _halves(frags[lane][1])
+        elif g < p.shape[0]:
             B[2 * c : 2 * c + 2, g] = np.float16(p[g, 2 * c : 2 * c + 2])
             B[2 * c + 8 : 2 * c + 10, g] = np.float16(p[g, 2 * c + 8 : 2 * c + 10])
     out = np.zeros((8, dv), np.float32)
@@ -149,7 +152,11 @@ def _h2(lo: float, hi: float) -> int:
     return int(np.float16(lo).view(np.uint16)) | (int(np.float16(hi).view(np.uint16)) << 16)
 
 
-def p_fragments_by_shuffle(P: np.ndarray) -> list[tuple[int, int]]:
+def _halves(x: int) -> tuple[float, float]:
+    return tuple(float(np.uint16(v).view(np.float16)) for v in (x & 0xFFFF, x >> 16))
+
+
+def p_fragments_by_shuffle(P: np.ndarray, src=lambda g, c: 8 * c + (g >> 1)) -> list[tuple[int, int]]:
     """P^T's B fragment per lane as the staged form makes it from its scores' layout: hA / hB (tokens g and
     g + 8, query vectors 2c, 2c + 1 as a half2), four shuffles from lanes 8c + g / 2 and 8c + 4 + g / 2,
     the half of query vector g picked by a byte permute."""
@@ -157,7 +164,7 @@ def p_fragments_by_shuffle(P: np.ndarray) -> list[tuple[int, int]]:
     hB = [_h2(P[g + 8, 2 * c], P[g + 8, 2 * c + 1]) for g, c in LANES]
     out = []
     for g, c in LANES:
-        src0 = 8 * c + (g >> 1)
+        src0 = src(g, c)
         src1 = src0 + 4
         sel = 0x7632 if g & 1 else 0x5410
         out.append((_perm(hA[src0], hA[src1], sel), _perm(hB[src0], hB[src1], sel)))
@@ -248,3 +255,56 @@ def test_the_staged_form_is_chosen_by_name(monkeypatch):
     assert (st.krs, st.vrs, st.count) == (16, 20, 4) and st.stage == 16 * (16 + 20) * 4 + 4 * 64
     assert two.smem == 4 * st.count * st.stage > one.smem and ("MMA", 2) in two.template and ("STG", 4) in two.template
     assert two.tile == one.tile == cuda_mma.MMA_TILE and off.tile != cuda_mma.MMA_TILE
+
+
+def emulate_form3_step(q, kw, ks, kz, vw, vs, vz, kbits, kg, vbits, vg, dim, src=lambda g, c: 8 * c + (g >> 1)):
+    """Form 3's 16-token step end to end: S^T = K Q^T (keys as A, read back from C's layout), the softmax per
+    query vector (the max the body's xor 4 / 8 / 16 reductions give each lane), P^T's fragment built from the
+    scores' layout by the four shuffles (source lanes `src`), then the value mma on those registers."""
+    S = emulate_scores_keys_as_a(q, kw, ks, kz, kbits, kg)  # (8 query vectors, 16 tokens)
+    p = np.exp2(S - S.max(axis=1, keepdims=True))
+    frags = p_fragments_by_shuffle(p.T.astype(np.float32), src)  # P as (16 tokens, 8 query vectors)
+    return emulate_values(None, vw, vs, vz, vbits, vg, dim, frags), p
+
+
+@pytest.mark.parametrize("kbits,kg,dim,vbits,vg", [CASES[0], CASES[2], CASES[5], CASES[6]])
+def test_form3_step_gives_attention(kbits, kg, dim, vbits, vg):
+    """Form 3's arithmetic chained (scores, softmax in their layout, shuffles, values) equals softmax(q K^T) V
+    over the decoded K/V; a shuffle from the wrong lanes does not."""
+    kw, ks, kz, kdec = _encoded(kbits, kg, dim, 16, 4)
+    vw, vs, vz, vdec = _encoded(vbits, vg, dim, 16, 5)
+    q = np.array(mx.random.normal((8, dim), key=mx.random.key(6))) * 0.2
+    out, p = emulate_form3_step(q, kw, ks, kz, vw, vs, vz, kbits, kg, vbits, vg, dim)
+    s = np.float16(q).astype(np.float32) @ kdec.T
+    ref = np.exp2(s - s.max(axis=1, keepdims=True)) @ vdec
+    assert np.abs(out - ref).max() <= 5e-3 * np.abs(ref).max()
+    bad, _ = emulate_form3_step(q, kw, ks, kz, vw, vs, vz, kbits, kg, vbits, vg, dim, lambda g, c: 8 * c + (g & 3))
+    assert np.abs(bad - ref).max() > 5e-2 * np.abs(ref).max()
+
+
+def test_form3_is_form2_arithmetic_with_form1_loads(monkeypatch):
+    """MLXKV_CUDA_MMA=3: form 2's score / softmax / shuffle text (the formulas emulated above) with form 1's
+    global loads, form 1's shared memory and constants (no ring), its own kernel object."""
+    text, one, two = cuda_kernels.body(3), cuda_kernels.body(1), cuda_kernels.body(2)
+    for piece in (cuda_stage.KEY_MMA, cuda_stage.SOFTMAX, cuda_stage.PARTIALS, cuda_mma.VALUE_LOADS, cuda_mma.VALUES):
+        assert cuda_kernels.src.compact(piece) in text
+    assert "src0 = 8 * c + (g >> 1), src1 = src0 + 4;" in text and "(g & 1) ? 0x7632u : 0x5410u" in text
+    assert "t0 + 8 * r + g" in text and "mma16816(i & 1 ? s2 : s, a0, a1, a2, a3, qa[i][0], qa[i][1]);" in text
+    assert "cp_async" not in text and "KRS" not in text and "0u, qa[i][1], 0u" not in text
+    assert text.count("mma16816(") == two.count("mma16816(") == one.count("mma16816(") and len({text, one, two}) == 3
+    local = {"NEG", "QVT", "NWARP", "CHUNK", "NSPLIT", "VH", "PTW", "HQ", "D4", "EPK", "PPK", "WTK", "NKB", "EPV",
+             "PPV", "WTV", "NMB", "KPL", "VPL", "NGT", "KM2", "VM2", "L2E", "LN2"}
+    from kvcore.attention import cuda_decode
+
+    A = Side("affine", 4, 64, 128)
+    monkeypatch.delenv("MLXKV_CUDA_MMA", raising=False)
+    first = cuda_decode.plan_for(A, A, 4, 1, False, mx.bfloat16)
+    monkeypatch.setenv("MLXKV_CUDA_MMA", "3")
+    third = cuda_decode.plan_for(A, A, 4, 1, False, mx.bfloat16)
+    assert (first.mma, third.mma) == (1, 3) and third != first and ("MMA", 3) in third.template
+    assert third.smem == first.smem and third.tile == first.tile and third.why_not() is None
+    names = {n for n, _ in third.template} | {"FUSED", "HAS_SINK", "OT"}
+    used = set(re.findall(r"\b([A-Z][A-Z0-9_]{1,})\b", cuda_form3.BODY)) - local
+    assert used <= names, used - names
+    monkeypatch.setenv("MLXKV_CUDA_MMA", "4")  # unknown forms fall back to the default
+    assert cuda_mma.variant() == 1

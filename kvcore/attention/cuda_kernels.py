@@ -10,7 +10,7 @@ from functools import cache
 
 import mlx.core as mx
 
-from . import cuda_mma, cuda_stage
+from . import cuda_form3, cuda_mma, cuda_stage
 from . import cuda_source as src
 from .cuda_launch import THREADS, Plan, Side
 
@@ -87,9 +87,9 @@ def _kernel(plan: Plan, fused: bool, has_sink: bool, out_dtype):
 
 @cache
 def body(mma: int) -> str:
-    """The decode kernel's text after its constants: the tensor-core body (form 1, or 2: staged) or the scalar
-    one, then the merge tail."""
-    bodies = {0: src.SCALAR_BODY, 1: cuda_mma.BODY, 2: cuda_stage.BODY}
+    """The decode kernel's text after its constants: the tensor-core body (form 1, 2: staged, or 3: form 2's
+    keys-as-A arithmetic with form 1's loads) or the scalar one, then the merge tail."""
+    bodies = {0: src.SCALAR_BODY, 1: cuda_mma.BODY, 2: cuda_stage.BODY, 3: cuda_form3.BODY}
     return src.compact(src.PROLOGUE + bodies[int(mma)] + src.TAIL)
 
 

@@ -114,7 +114,8 @@ class Plan:
     rep: int  # query heads per KV head
     n_queries: int
     paged: bool = False  # K/V in pages (P, H', PAGE, ...) found through a block table per row
-    mma: int = 0  # the tensor-core body (kvcore/attention/cuda_mma.py; `mma_fits` says where), 2: its staged form
+    mma: int = 0  # the tensor-core body (kvcore/attention/cuda_mma.py; `mma_fits` says where), 2: its staged form,
+    # 3: keys-as-A with form 1's loads (cuda_form3.py; form 1's shared memory and constants)
 
     def __hash__(self) -> int:
         h = self.__dict__.get("_hash")

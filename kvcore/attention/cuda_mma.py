@@ -21,6 +21,9 @@ query fragments follow the same permutation, and the output is written back in n
   2c + 9; its element q (< DV / 8) is dim (DV / 8) g + q; m-block m's rows g and g + 8 are its
   elements m and DV / 16 + m, two tokens' codes joined in one half2 by a byte permute.
 - Softmax in log2 units (q is scaled by scale * log2 e), the partial max written back in natural units.
+Forms (`variant`): 1 this one; 2 the staged form (`cuda_stage`: S^T = K Q^T, keys as A, tiles in a
+shared-memory ring); 3 (`cuda_form3`, opt-in until measured on the H200) form 2's S^T arithmetic with this
+form's loads into registers, and this form's shared memory and launch bounds.
 """
 
 from __future__ import annotations
@@ -33,9 +36,11 @@ MMA_BITS = (2, 4, 8)  # codes that pack a whole number of element pairs into eac
 def variant() -> int:
     """MLXKV_CUDA_MMA: 0 the scalar body everywhere; 1 (default) the tensor-core body where it fits, K/V
     read into registers; 2 its staged form (`cuda_stage`: each warp's tiles in a shared-memory ring filled
-    by cp.async), kept for an A/B on the device until measured."""
+    by cp.async), kept for an A/B on the device until measured; 3 (`cuda_form3`, opt-in until measured on the
+    H200) form 2's arithmetic (S^T = K Q^T, keys as the mma's A operand, no zero-padded query fragment) with
+    form 1's loads from global memory into registers, form 1's shared memory and launch bounds."""
     v = os.environ.get("MLXKV_CUDA_MMA", "1")
-    return int(v) if v in ("0", "1", "2") else 1
+    return int(v) if v in ("0", "1", "2", "3") else 1
 
 
 def mma_fits(key, value, rep: int, n_queries: int, q_dtype: str) -> bool:
@@ -216,6 +221,24 @@ MERGE = r"""
   }
 """
 
+# this lane's V words of tokens t0 + (2c, 2c + 1, 2c + 8, 2c + 9) and their scales / biases, read from global
+# memory (forms 1 and 3), for VALUES
+VALUE_LOADS = r"""
+    // values of tokens t0 + (2c, 2c + 1, 2c + 8, 2c + 9): this lane's words and scales
+    uint32_t vwd[4][WTV];
+    __half vsc[4], vbi[4];
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+      const int t = min(t0 + 2 * c + (k & 1) + 8 * (k >> 1), t_end - 1);
+      int pb = b, tp = t;
+      if constexpr (PAGED) { pb = ptab[b * PTW + t / PAGE]; tp = t % PAGE; }
+      load_words<WTV>(vwd[k], row_base(vw, 4, vw_strides.data(), pb, h + VH) + tp * vtb + 4 * WTV * g, vvec);
+      const int grp = (VPL * g) / VG;
+      vsc[k] = vs[pb * vs_strides[0] + (h + VH) * vs_strides[1] + (long long)tp * vs_strides[2] + grp * vs_strides[3]];
+      vbi[k] = vb[pb * vb_strides[0] + (h + VH) * vb_strides[1] + (long long)tp * vb_strides[2] + grp * vb_strides[3]];
+    }
+"""
+
 # form 1: K and V read from global memory into registers, S = Q K^T (query vectors as A's rows 0..7)
 LOOP = r"""
   const int qn = (qc * QVB + g) % NQ;
@@ -281,20 +304,7 @@ LOOP = r"""
     for (int m = 0; m < NMB; m++) { acc[m][0] *= c0; acc[m][1] *= c1; acc[m][2] *= c0; acc[m][3] *= c1; }
     const uint32_t pb0 = pack_h2(p[0][0], p[0][1]), pb1 = pack_h2(p[1][0], p[1][1]);
 
-    // values of tokens t0 + (2c, 2c + 1, 2c + 8, 2c + 9): this lane's words and scales
-    uint32_t vwd[4][WTV];
-    __half vsc[4], vbi[4];
-#pragma unroll
-    for (int k = 0; k < 4; k++) {
-      const int t = min(t0 + 2 * c + (k & 1) + 8 * (k >> 1), t_end - 1);
-      int pb = b, tp = t;
-      if constexpr (PAGED) { pb = ptab[b * PTW + t / PAGE]; tp = t % PAGE; }
-      load_words<WTV>(vwd[k], row_base(vw, 4, vw_strides.data(), pb, h + VH) + tp * vtb + 4 * WTV * g, vvec);
-      const int grp = (VPL * g) / VG;
-      vsc[k] = vs[pb * vs_strides[0] + (h + VH) * vs_strides[1] + (long long)tp * vs_strides[2] + grp * vs_strides[3]];
-      vbi[k] = vb[pb * vb_strides[0] + (h + VH) * vb_strides[1] + (long long)tp * vb_strides[2] + grp * vb_strides[3]];
-    }
-""" + VALUES + r"""
+""" + VALUE_LOADS + VALUES + r"""
   }
 
   float lq = l_run;

@@ -160,17 +160,82 @@ __device__ __forceinline__ void stage_meta(unsigned char* dst, const __half* src
 """
 
 
+# the pieces of form 2's loop that form 3 (cuda_form3.py) shares: this lane's query vectors and running max / sum;
+LANE_QUERIES = r"""
+  const int n0 = 2 * c, n1 = 2 * c + 1;  // this lane's query vectors
+  const bool real0 = n0 < QVB, real1 = n1 < QVB;
+  const int qn0 = (qc * QVB + n0) % NQ, qn1 = (qc * QVB + n1) % NQ;
+  float m0 = NEG, m1 = NEG, l0 = 0.f, l1 = 0.f;  // log2 units; l over this lane's tokens
+"""
+# the score mma over the dequantized key words w0 / w1 (tokens g, g + 8) with their scales sa / sb and biases za / zb;
+KEY_MMA = r"""
+#pragma unroll
+      for (int i = 0; i < NKB; i++) {
+        const int j = i / (PPK / 2), e = i % (PPK / 2), u = NGT > 1 ? (j * EPK) / KG : 0;
+        const uint32_t a0 = deq2((w0[j] >> (KB * 2 * e)) & KM2, sa[u], za[u]);
+        const uint32_t a1 = deq2((w1[j] >> (KB * 2 * e)) & KM2, sb[u], zb[u]);
+        const uint32_t a2 = deq2((w0[j] >> (KB * (2 * e + 1))) & KM2, sa[u], za[u]);
+        const uint32_t a3 = deq2((w1[j] >> (KB * (2 * e + 1))) & KM2, sb[u], zb[u]);
+        mma16816(i & 1 ? s2 : s, a0, a1, a2, a3, qa[i][0], qa[i][1]);
+      }
+    }
+"""
+# the mask, the online softmax of both query vectors, P^T's fragment pb0 / pb1 by four shuffles;
+SOFTMAX = r"""
+    const int j0 = t0 + g, j1 = t0 + 8 + g;
+    const bool lim0 = j0 < t_end, lim1 = j1 < t_end;
+    s[0] = real0 && lim0 && j0 >= lo0 + qn0 && j0 < min(hi0 + qn0, cnt) ? s[0] + s2[0] : NEG;
+    s[1] = real1 && lim0 && j0 >= lo0 + qn1 && j0 < min(hi0 + qn1, cnt) ? s[1] + s2[1] : NEG;
+    s[2] = real0 && lim1 && j1 >= lo0 + qn0 && j1 < min(hi0 + qn0, cnt) ? s[2] + s2[2] : NEG;
+    s[3] = real1 && lim1 && j1 >= lo0 + qn1 && j1 < min(hi0 + qn1, cnt) ? s[3] + s2[3] : NEG;
+    float x0 = fmaxf(s[0], s[2]), x1 = fmaxf(s[1], s[3]);
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) {
+      x0 = fmaxf(x0, __shfl_xor_sync(0xffffffffu, x0, o));
+      x1 = fmaxf(x1, __shfl_xor_sync(0xffffffffu, x1, o));
+    }
+    const float mn0 = fmaxf(m0, x0), mn1 = fmaxf(m1, x1);
+    const float cr0 = exp2f(m0 - mn0), cr1 = exp2f(m1 - mn1);
+    m0 = mn0;
+    m1 = mn1;
+    const float p0 = s[0] > 0.5f * NEG ? exp2f(s[0] - mn0) : 0.f, p1 = s[1] > 0.5f * NEG ? exp2f(s[1] - mn1) : 0.f;
+    const float p2 = s[2] > 0.5f * NEG ? exp2f(s[2] - mn0) : 0.f, p3 = s[3] > 0.5f * NEG ? exp2f(s[3] - mn1) : 0.f;
+    l0 = l0 * cr0 + (p0 + p2);
+    l1 = l1 * cr1 + (p1 + p3);
+#pragma unroll
+    for (int m = 0; m < NMB; m++) { acc[m][0] *= cr0; acc[m][1] *= cr1; acc[m][2] *= cr0; acc[m][3] *= cr1; }
+    uint32_t pb0, pb1;
+    {
+      const uint32_t hA = pack_h2(p0, p1), hB = pack_h2(p2, p3);
+      const int src0 = 8 * c + (g >> 1), src1 = src0 + 4;
+      const uint32_t sel = (g & 1) ? 0x7632u : 0x5410u;
+      const uint32_t x0 = __shfl_sync(0xffffffffu, hA, src0), x1 = __shfl_sync(0xffffffffu, hA, src1);
+      const uint32_t y0 = __shfl_sync(0xffffffffu, hB, src0), y1 = __shfl_sync(0xffffffffu, hB, src1);
+      pb0 = __byte_perm(x0, x1, sel);
+      pb1 = __byte_perm(y0, y1, sel);
+    }
+"""
+# after the loop: the warp's sums per query vector, its max and sum into the scratch (then cuda_mma.MERGE)
+PARTIALS = r"""
+  float lq0 = l0, lq1 = l1;
+#pragma unroll
+  for (int o = 4; o < 32; o <<= 1) {
+    lq0 += __shfl_xor_sync(0xffffffffu, lq0, o);
+    lq1 += __shfl_xor_sync(0xffffffffu, lq1, o);
+  }
+  float* wm = scratch;              // [NWARP][8]
+  float* wl = scratch + NWARP * 8;  // [NWARP][8]
+  float* wa = scratch + NWARP * 16; // [NWARP][QVB][DV]
+  if (g == 0 && real0) { wm[warp * 8 + n0] = m0; wl[warp * 8 + n0] = lq0; }
+  if (g == 0 && real1) { wm[warp * 8 + n1] = m1; wl[warp * 8 + n1] = lq1; }
+"""
+
 # form 2's loop (after cuda_mma.PRELUDE, before cuda_mma.MERGE): each warp's tiles through its ring, and
 # S^T = K Q^T, keys as A (rows g, g + 8: tokens t0 + g, t0 + 8 + g; all 16 rows real), query vectors as B's
 # columns: 8 score mma per 16 tokens instead of 16, and no zero rows to rebuild. Lane (g, c) holds the scores of
 # tokens (g, g + 8) for query vectors (2c, 2c + 1); P^T's fragment (tokens 2c, 2c + 1, 2c + 8, 2c + 9 for query
 # vector g) comes from lanes 8c + g / 2 and 8c + 4 + g / 2 by four shuffles.
-LOOP = r"""
-  const int n0 = 2 * c, n1 = 2 * c + 1;  // this lane's query vectors
-  const bool real0 = n0 < QVB, real1 = n1 < QVB;
-  const int qn0 = (qc * QVB + n0) % NQ, qn1 = (qc * QVB + n1) % NQ;
-  float m0 = NEG, m1 = NEG, l0 = 0.f, l1 = 0.f;  // log2 units; l over this lane's tokens
-  const int tstart = t_begin / 16 * 16 + 16 * warp;  // tokens below lo0 are masked
+LOOP = LANE_QUERIES + r"""  const int tstart = t_begin / 16 * 16 + 16 * warp;  // tokens below lo0 are masked
   const int n_it = tstart < t_end ? (t_end - tstart + 16 * NWARP - 1) / (16 * NWARP) : 0;
   unsigned char* ring = smem + warp * STG * STB;
   const unsigned char* kbase = row_base(kw, 4, kw_strides.data(), b, h);
@@ -220,49 +285,7 @@ LOOP = r"""
         sb[u] = __half2half2(ksm[(8 + g) * KNG + grp]);
         zb[u] = __half2half2(kzm[(8 + g) * KNG + grp]);
       }
-#pragma unroll
-      for (int i = 0; i < NKB; i++) {
-        const int j = i / (PPK / 2), e = i % (PPK / 2), u = NGT > 1 ? (j * EPK) / KG : 0;
-        const uint32_t a0 = deq2((w0[j] >> (KB * 2 * e)) & KM2, sa[u], za[u]);
-        const uint32_t a1 = deq2((w1[j] >> (KB * 2 * e)) & KM2, sb[u], zb[u]);
-        const uint32_t a2 = deq2((w0[j] >> (KB * (2 * e + 1))) & KM2, sa[u], za[u]);
-        const uint32_t a3 = deq2((w1[j] >> (KB * (2 * e + 1))) & KM2, sb[u], zb[u]);
-        mma16816(i & 1 ? s2 : s, a0, a1, a2, a3, qa[i][0], qa[i][1]);
-      }
-    }
-    const int j0 = t0 + g, j1 = t0 + 8 + g;
-    const bool lim0 = j0 < t_end, lim1 = j1 < t_end;
-    s[0] = real0 && lim0 && j0 >= lo0 + qn0 && j0 < min(hi0 + qn0, cnt) ? s[0] + s2[0] : NEG;
-    s[1] = real1 && lim0 && j0 >= lo0 + qn1 && j0 < min(hi0 + qn1, cnt) ? s[1] + s2[1] : NEG;
-    s[2] = real0 && lim1 && j1 >= lo0 + qn0 && j1 < min(hi0 + qn0, cnt) ? s[2] + s2[2] : NEG;
-    s[3] = real1 && lim1 && j1 >= lo0 + qn1 && j1 < min(hi0 + qn1, cnt) ? s[3] + s2[3] : NEG;
-    float x0 = fmaxf(s[0], s[2]), x1 = fmaxf(s[1], s[3]);
-#pragma unroll
-    for (int o = 4; o < 32; o <<= 1) {
-      x0 = fmaxf(x0, __shfl_xor_sync(0xffffffffu, x0, o));
-      x1 = fmaxf(x1, __shfl_xor_sync(0xffffffffu, x1, o));
-    }
-    const float mn0 = fmaxf(m0, x0), mn1 = fmaxf(m1, x1);
-    const float cr0 = exp2f(m0 - mn0), cr1 = exp2f(m1 - mn1);
-    m0 = mn0;
-    m1 = mn1;
-    const float p0 = s[0] > 0.5f * NEG ? exp2f(s[0] - mn0) : 0.f, p1 = s[1] > 0.5f * NEG ? exp2f(s[1] - mn1) : 0.f;
-    const float p2 = s[2] > 0.5f * NEG ? exp2f(s[2] - mn0) : 0.f, p3 = s[3] > 0.5f * NEG ? exp2f(s[3] - mn1) : 0.f;
-    l0 = l0 * cr0 + (p0 + p2);
-    l1 = l1 * cr1 + (p1 + p3);
-#pragma unroll
-    for (int m = 0; m < NMB; m++) { acc[m][0] *= cr0; acc[m][1] *= cr1; acc[m][2] *= cr0; acc[m][3] *= cr1; }
-    uint32_t pb0, pb1;
-    {
-      const uint32_t hA = pack_h2(p0, p1), hB = pack_h2(p2, p3);
-      const int src0 = 8 * c + (g >> 1), src1 = src0 + 4;
-      const uint32_t sel = (g & 1) ? 0x7632u : 0x5410u;
-      const uint32_t x0 = __shfl_sync(0xffffffffu, hA, src0), x1 = __shfl_sync(0xffffffffu, hA, src1);
-      const uint32_t y0 = __shfl_sync(0xffffffffu, hB, src0), y1 = __shfl_sync(0xffffffffu, hB, src1);
-      pb0 = __byte_perm(x0, x1, sel);
-      pb1 = __byte_perm(y0, y1, sel);
-    }
-    uint32_t vwd[4][WTV];
+""" + KEY_MMA + SOFTMAX + r"""    uint32_t vwd[4][WTV];
     __half vsc[4], vbi[4];
 #pragma unroll
     for (int k = 0; k < 4; k++) {
@@ -276,18 +299,6 @@ LOOP = r"""
   }
   cp_async_wait<0>();
   __syncthreads();  // the partials below reuse the rings
-
-  float lq0 = l0, lq1 = l1;
-#pragma unroll
-  for (int o = 4; o < 32; o <<= 1) {
-    lq0 += __shfl_xor_sync(0xffffffffu, lq0, o);
-    lq1 += __shfl_xor_sync(0xffffffffu, lq1, o);
-  }
-  float* wm = scratch;              // [NWARP][8]
-  float* wl = scratch + NWARP * 8;  // [NWARP][8]
-  float* wa = scratch + NWARP * 16; // [NWARP][QVB][DV]
-  if (g == 0 && real0) { wm[warp * 8 + n0] = m0; wl[warp * 8 + n0] = lq0; }
-  if (g == 0 && real1) { wm[warp * 8 + n1] = m1; wl[warp * 8 + n1] = lq1; }
-"""
+""" + PARTIALS
 
 BODY = PRELUDE + LOOP + MERGE

@@ -1,0 +1,49 @@
+"""The third form of the tensor-core decode body (`MLXKV_CUDA_MMA=3`, opt-in until measured on the
+device): the staged form's arithmetic (`cuda_stage`: S^T = K Q^T, the dequantized keys as the mma's A
+operand, all 16 rows real, the query fragments as B, two accumulator chains, P^T's fragment by four
+shuffles) with the register form's loads (`cuda_mma.LOOP`: each lane reads its own K words of tokens
+t0 + g and t0 + 8 + g, its V words of tokens 2c, 2c + 1, 2c + 8, 2c + 9 and their scales and biases
+from global memory straight into registers; no shared-memory ring, no cp.async).
+
+Form 1's score mma takes the queries as A with rows 8..15 zero, and its SASS rebuilds that padded
+fragment for every mma (~70 register moves per warp and 16 tokens); form 2 drops them but spends ~280
+more instructions staging. This form has neither. Shared memory, launch bounds and constants are form
+1's (`cuda_mma.mma_smem`, `cuda_mma.min_blocks`).
+"""
+
+from __future__ import annotations
+
+from .cuda_mma import MERGE, PRELUDE, QUERIES, VALUE_LOADS, VALUES
+from .cuda_stage import KEY_MMA, LANE_QUERIES, PARTIALS, SOFTMAX
+
+# keys of tokens t0 + g (w0, sa, za) and t0 + 8 + g (w1, sb, zb): this lane's words [WTK c, WTK c + WTK)
+# and the scales / biases of the groups they span, from global memory (rows past t_end repeat the last)
+KEY_LOADS = r"""
+    float s[4] = {0.f, 0.f, 0.f, 0.f}, s2[4] = {0.f, 0.f, 0.f, 0.f};  // even / odd k-blocks: two chains
+    {
+      uint32_t w0[WTK], w1[WTK];
+      __half2 sa[NGT], za[NGT], sb[NGT], zb[NGT];
+#pragma unroll
+      for (int r = 0; r < 2; r++) {
+        const int t = min(t0 + 8 * r + g, t_end - 1);
+        int pb = b, tp = t;
+        if constexpr (PAGED) { pb = ptab[b * PTW + t / PAGE]; tp = t % PAGE; }
+        load_words<WTK>(r ? w1 : w0, row_base(kw, 4, kw_strides.data(), pb, h) + tp * ktb + 4 * WTK * c, kvec);
+        const long long mo = pb * ks_strides[0] + h * ks_strides[1] + (long long)tp * ks_strides[2];
+        const long long zo = pb * kb_strides[0] + h * kb_strides[1] + (long long)tp * kb_strides[2];
+#pragma unroll
+        for (int u = 0; u < NGT; u++) {
+          const int grp = (KPL * c + u * KG) / KG;
+          (r ? sb : sa)[u] = __half2half2(ks[mo + grp * ks_strides[3]]);
+          (r ? zb : za)[u] = __half2half2(kb[zo + grp * kb_strides[3]]);
+        }
+      }
+"""
+
+LOOP = LANE_QUERIES + r"""
+  for (int t0 = t_begin + 16 * warp; t0 < t_end; t0 += 16 * NWARP) {
+""" + KEY_LOADS + KEY_MMA + SOFTMAX + VALUE_LOADS + VALUES + r"""
+  }
+""" + PARTIALS
+
+BODY = PRELUDE + QUERIES + LOOP + MERGE
