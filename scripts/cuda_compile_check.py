@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Build the decode kernel's CUDA text on a machine without a GPU: NVRTC for sm_90a, then ptxas's
-registers and spills and the SASS instruction count, per tensor-core form (0 scalar, 1, 2) and bit width.
+registers and spills and the SASS instruction count, per tensor-core form (0 scalar, 1, 2, 3) and bit width.
 
 The kernel's own launch code runs (`cuda_kernels.partials` on random 4-bit K/V), with
 `mx.fast.cuda_kernel` replaced by a stand-in that writes the text MLX would compile (MLX's header is
@@ -9,7 +9,7 @@ a spill, or a register count that costs a block per SM shows here before any dev
 Needs NVRTC and nvdisasm from PyPI (no GPU, no CUDA install):
 
     pip install nvidia-cuda-nvrtc nvidia-cuda-nvdisasm nvidia-cuda-runtime
-    python scripts/cuda_compile_check.py [--forms 0,1,2] [--bits 4,8] [--sass out_folder]
+    python scripts/cuda_compile_check.py [--forms 0,1,2,3] [--bits 4,8] [--sass out_folder]
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ class StandIn:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--forms", default="0,1,2")
+    ap.add_argument("--forms", default="0,1,2,3")
     ap.add_argument("--bits", default="4,8")
     ap.add_argument("--sass", default=None, help="a folder for each kernel's cubin and SASS text")
     a = ap.parse_args()

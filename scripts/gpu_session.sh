@@ -7,11 +7,11 @@
 # 2. the kernel tests in both forms (kernel == portable on this device), and the staged form end to end
 #    (scripts/gpu_kernel_e2e.py: KL per step over 1 000 decode steps of llama-1b, <= 1e-4); the kernel tests
 #    in form 3 (cuda_form3.py: form 2's keys-as-A arithmetic with form 1's loads, opt-in, first time on a GPU);
-# 3. scripts/gpu_kernel_ab.sh: device time per form and split target (the default 528 blocks, 264) at 32k
-#    and 128k, form 2 at 5 blocks per SM (96 registers, 10 bytes spilled: scripts/cuda_compile_check.py), and
-#    form 3 (about 17 s a case: 12 cases);
-# 4. scripts/gpu_bench.py at 512, 32k and 128k (mlx-lm bf16 in the same run) in the variant with the
-#    smallest summed minimum of step 3, in what time is left (its budget skips the cases past 40 s).
+# 3. scripts/gpu_kernel_ab.sh at 32k and 128k (about 17 s a case, 10 cases): forms 1, 2 and 3 at the default
+#    528 target blocks, form 2 at 264 (fewer splits: a cheaper merge) and at 5 blocks per SM with 660 (96
+#    registers, 10 bytes spilled: scripts/cuda_compile_check.py);
+# 4. scripts/gpu_bench.py at 32k and 128k (512 is in run 8; mlx-lm bf16 in the same run) in the variant with
+#    the smallest summed minimum of step 3, within an 85 s budget (a longer bench is a call of its own).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 TAIL_LINES=8 source scripts/gpu_steps.sh
@@ -21,11 +21,11 @@ step stalls 60 env OUT="$RES" MODE=stalls VARIANTS="MLXKV_CUDA_MMA=1 MLXKV_CUDA_
   bash scripts/gpu_kernel_ab.sh
 step tests-staged 90 env MLXKV_CUDA_MMA=2 python3 -m pytest "${pytest_args[@]}" tests/test_cuda_mma.py \
   tests/test_cuda_decode.py tests/test_cuda_steady.py tests/test_paged.py
-step tests-default 50 python3 -m pytest "${pytest_args[@]}" tests/test_cuda_decode.py
+step tests-default 40 python3 -m pytest "${pytest_args[@]}" tests/test_cuda_decode.py
 step e2e-staged 45 env MLXKV_CUDA_MMA=2 python3 scripts/gpu_kernel_e2e.py --shape llama-1b --steps 1000
-step tests-form3 60 env MLXKV_CUDA_MMA=3 python3 -m pytest "${pytest_args[@]}" tests/test_cuda_mma.py \
+step tests-form3 45 env MLXKV_CUDA_MMA=3 python3 -m pytest "${pytest_args[@]}" tests/test_cuda_mma.py \
   tests/test_cuda_decode.py
-step ab 220 env OUT="$RES" CONTEXTS="32768 131072" VARIANTS="MLXKV_CUDA_MMA=1 MLXKV_CUDA_MMA=1,MLXKV_CUDA_TARGET_BLOCKS=264 \
+step ab 185 env OUT="$RES" CONTEXTS="32768 131072" VARIANTS="MLXKV_CUDA_MMA=1 \
 MLXKV_CUDA_MMA=2 MLXKV_CUDA_MMA=2,MLXKV_CUDA_TARGET_BLOCKS=264 MLXKV_CUDA_MMA=2,MLXKV_CUDA_MIN_BLOCKS=5,MLXKV_CUDA_TARGET_BLOCKS=660 MLXKV_CUDA_MMA=3" \
   bash scripts/gpu_kernel_ab.sh
 best=$(python3 - "$RES/ab.log" <<'PY'
@@ -38,6 +38,6 @@ print(min(full, key=full.get) if full else "MLXKV_CUDA_MMA=1")
 PY
 )
 echo "== bench in $best"
-step bench 60 env $(echo "$best" | tr ',' ' ') python3 scripts/gpu_bench.py --contexts 512,32768,131072 --no-prefill \
-  --repeats 2 --budget-s 40 --output "$RES/h200-llama-8b-next.json"
+step bench 110 env $(echo "$best" | tr ',' ' ') python3 scripts/gpu_bench.py --contexts 32768,131072 --no-prefill \
+  --repeats 2 --budget-s 85 --output "$RES/h200-llama-8b-next.json"
 exit 0
