@@ -24,7 +24,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from kvcore.attention import cuda_kernels as ck
-from kvcore.attention import cuda_mma, cuda_stage
+from kvcore.attention import cuda_form3, cuda_mma, cuda_stage
 from kvcore.attention import cuda_source as src
 from kvcore.attention.cuda_launch import BIG, Plan, Side
 from kvcore.codecs import CodecSpec
@@ -41,10 +41,11 @@ __device__ __forceinline__ uint32_t nodeq(uint32_t codes, __half2 s, __half2 z) 
 # text substitutions per variant and form: (old, new); every one must match
 EDITS = {
     "no-kdeq": {1: [("b0 = deq2(", "b0 = nodeq("), ("b1 = deq2(", "b1 = nodeq(")],
-                2: [(f"a{i} = deq2(", f"a{i} = nodeq(") for i in range(4)]},
-    "no-vdeq": {f: [("a[r] = deq2(", "a[r] = nodeq(")] for f in (1, 2)},
-    "no-kmma": {1: [("mma16816(s[nb],", "fake_mma(s[nb],")], 2: [("mma16816(i & 1 ? s2 : s,", "fake_mma(i & 1 ? s2 : s,")]},
-    "no-vmma": {f: [("mma16816(acc[m],", "fake_mma(acc[m],")] for f in (1, 2)},
+                **{f: [(f"a{i} = deq2(", f"a{i} = nodeq(") for i in range(4)] for f in (2, 3)}},
+    "no-vdeq": {f: [("a[r] = deq2(", "a[r] = nodeq(")] for f in (1, 2, 3)},
+    "no-kmma": {1: [("mma16816(s[nb],", "fake_mma(s[nb],")],
+                **{f: [("mma16816(i & 1 ? s2 : s,", "fake_mma(i & 1 ? s2 : s,")] for f in (2, 3)}},
+    "no-vmma": {f: [("mma16816(acc[m],", "fake_mma(acc[m],")] for f in (1, 2, 3)},
     "no-loads": {2: [("      stage_rows<KRW", "      if (false) stage_rows<KRW"), ("      stage_rows<VRW", "      if (false) stage_rows<VRW")]
                  + [(f"      stage_meta<{n}>(st + SOFF_{x}", f"      if (false) stage_meta<{n}>(st + SOFF_{x}")
                     for n, x in (("KNG", "KS"), ("KNG", "KZ"), ("VNG", "VS"), ("VNG", "VZ"))]},
@@ -52,7 +53,7 @@ EDITS = {
 
 
 def ablated_body(form: int, variant: str) -> str:
-    text = {1: cuda_mma.BODY, 2: cuda_stage.BODY}[form]
+    text = {1: cuda_mma.BODY, 2: cuda_stage.BODY, 3: cuda_form3.BODY}[form]
     for old, new in EDITS.get(variant, {}).get(form, []):
         if old not in text:
             raise SystemExit(f"variant {variant}: {old!r} is not in form {form}'s text")
@@ -107,7 +108,7 @@ def time_variant(q, launch, plan: Plan, variant: str, launches: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--form", type=int, default=2, choices=(1, 2))
+    ap.add_argument("--form", type=int, default=2, choices=(1, 2, 3))
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--launches", type=int, default=50)
     ap.add_argument("--variants", default="full,no-kdeq,no-vdeq,no-kmma,no-vmma,no-loads,split-only")

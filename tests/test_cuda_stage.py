@@ -74,7 +74,7 @@ def test_the_ring_never_refills_a_stage_before_it_is_read():
             assert complete >= it + 1
 
 
-def test_the_ablation_script_edits_apply_to_both_forms():
+def test_the_ablation_script_edits_apply_to_every_form():
     """scripts/gpu_kernel_ablate.py takes parts out of the kernel text by substitution: each must still
     match the bodies (an edit of a body that breaks one fails here, not on the device)."""
     import importlib.util
