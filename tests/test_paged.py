@@ -185,3 +185,43 @@ def test_same_ids_with_other_bytes_share_nothing():
     assert not paged.refs and set(paged.tables[0]).isdisjoint(paged.tables[1])
     twin = PagedRows.pack([rows[0], rows[0]], ids)  # the same bytes: shared
     assert twin.tables[0][:2] == twin.tables[1][:2] and len(twin.refs) == 2
+
+
+def test_a_departed_rows_prefix_pages_are_taken_back_and_forgotten_once_rewritten():
+    """A row's indexed pages outlive it: a later row with the same prefix (ids and bytes) takes them back
+    instead of writing its own, and reads what an unshared copy reads; once a page is taken for new bytes,
+    nothing in the index names it."""
+    mx.random.seed(6)
+    spec = SPECS["affine4"]
+    k0, v0 = (mx.random.normal((1, 2, 2 * PAGE, 64)) for _ in range(2))
+
+    def row(extra, seed, prefix=True):
+        ks = [k0] if prefix else [mx.random.normal((1, 2, 2 * PAGE, 64), key=mx.random.key(seed + 99))]
+        vs = [v0] if prefix else [mx.random.normal((1, 2, 2 * PAGE, 64), key=mx.random.key(seed + 98))]
+        c = CompressedKVCache(spec, start=0, attention=AttentionConfig(paged=True))
+        c.update_and_fetch(mx.concatenate(ks + [mx.random.normal((1, 2, extra, 64), key=mx.random.key(seed))], 2),
+                           mx.concatenate(vs + [mx.random.normal((1, 2, extra, 64), key=mx.random.key(seed + 1))], 2))
+        return c
+
+    def ids(extra):
+        return list(range(2 * PAGE)) + [1000 + j for j in range(extra)]
+
+    rows = PagedRows.pack([row(5, 1), row(9, 2, prefix=False)], [ids(5), None])
+    old = rows.tables[0][:2]
+    rows.filter([1])  # the first row leaves: its pages are free, still indexed
+    assert set(old) <= set(rows.free)
+    rows.reserve(8, exact=True)
+    rows.join([row(1, 5, prefix=False)])  # a row without ids first: it takes fresh pages, not the freed ones
+    free = len(rows.free)
+    rows.join([row(7, 3)], [ids(7)])
+    assert rows.tables[2][:2] == old and not rows.refs  # taken back, one owner again
+    assert len(rows.free) == free - len(rows.tables[2])  # its 2 old pages and its 1 own
+    plain = PagedRows.pack([row(9, 2, prefix=False), row(1, 5, prefix=False), row(7, 3)])
+    q = mx.random.normal((3, 4, 1, 64))
+    new = [mx.random.normal((3, 2, 1, 64), key=mx.random.key(60 + j)) for j in range(2)]
+    a, b = rows.update_and_fetch(*new), plain.update_and_fetch(*new)
+    assert np.allclose(np.array(_sdpa(q, a, a, None, 0.125, None)), np.array(_sdpa(q, b, b, None, 0.125, None)),
+                       atol=1e-5)
+    rows.filter([0, 1])  # the prefix row leaves again; a long row without ids takes every free page
+    rows.join([row(len(rows.free) * PAGE - 3 * PAGE, 4, prefix=False)])
+    assert not rows.free and not set(rows.index.values()) & set(rows.tables[2])

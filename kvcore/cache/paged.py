@@ -16,6 +16,10 @@ A joining row whose token ids are given shares the pages of a row already here t
 prompt prefix: candidates come from the ids of whole pages (`index`), and a page is shared only if
 its bytes equal the joining row's own (so sharing never changes what a row attends over). A row
 that writes into a shared page (after a rollback) first gets its own copy of it (copy on write).
+A row's pages stay indexed after it leaves: freed pages are taken for new writes last (fresh ones first,
+then the longest-freed), so a later row with the same prefix (a second chat turn, a prompt restored
+from serve's prefix cache) takes them back instead of writing its own; a page loses its index entries
+when it is taken for new bytes.
 
 Attention reads the pages where they lie (`mx.gather_qmm`, kvcore/attention/paged.py) or gathers
 them into a packed view (`PagedView.packed`) for the paths that read contiguous rows.
@@ -128,11 +132,12 @@ class PagedRows:
         self.pool = pool
         self.tables = tables
         self.lengths = lengths
-        self.free = free  # page ids not in any table, taken from the end
+        self.free = free  # page ids not in any table, taken from the end (freed pages go to the front)
         self.refs: dict[int, int] = {}  # shared pages: page -> rows whose tables hold it (>= 2)
         self.version = 0  # bumped whenever a table changes (the device table is remade only then)
         self._table: tuple | None = None  # (version, device table)
         self.index: dict[int, int] = {}  # hash of the token ids up to a whole page's end -> that page
+        self.page_keys: dict[int, list[int]] = {}  # page -> its keys in `index` (dropped when it gets new bytes)
 
     # -- packing --------------------------------------------------------------
     @staticmethod
@@ -179,12 +184,19 @@ class PagedRows:
         lengths = [r.offset for r in rows]
         counts = [_pages(n + 1) for n in lengths]
         shared = [self._shareable(r, n, x) for r, n, x in zip(rows, lengths, ids)]
+        free = set(self.free)
+        revived = {p for sh in shared for p in sh if p in free}  # a departed row's pages, indexed still
+        if revived:
+            self.free = [p for p in self.free if p not in revived]
         self.reserve(sum(c - len(sh) for c, sh in zip(counts, shared)))
         tables, writes = [], []
         for r, n, c, sh in zip(rows, lengths, counts, shared):
-            own = [self.free.pop() for _ in range(c - len(sh))]
+            own = self._take(c - len(sh))
             for p in sh:
-                self.refs[p] = self.refs.get(p, 1) + 1
+                if p in revived:  # its first owner again (a second joining row with it shares it below)
+                    revived.discard(p)
+                else:
+                    self.refs[p] = self.refs.get(p, 1) + 1
             tables.append(sh + own)
             if own:
                 writes.append((r, n, c, len(sh), own))
@@ -221,7 +233,17 @@ class PagedRows:
         if x is None:
             return
         for key, page in zip(self._keys(x, len(x) // PAGE), table):
-            self.index.setdefault(key, page)
+            if self.index.setdefault(key, page) == page:
+                self.page_keys.setdefault(page, []).append(key)
+
+    def _take(self, n: int) -> list[int]:
+        """n free pages for new bytes (the caller reserved them): their index entries go."""
+        pages = [self.free.pop() for _ in range(n)]
+        for p in pages:
+            for key in self.page_keys.pop(p, ()):
+                if self.index.get(key) == p:
+                    del self.index[key]
+        return pages
 
     def _shareable(self, row: CompressedKVCache, n: int, x) -> list[int]:
         """Pages here holding the bytes of `row`'s first whole pages (its ids `x` name candidates)."""
@@ -251,7 +273,7 @@ class PagedRows:
         if page not in self.refs:
             return
         self.reserve(1)
-        new = self.free.pop()
+        new = self._take(1)[0]
         pool = list(self.pool)
         for i in range(len(pool)):
             pool[i][new] = pool[i][page]
@@ -271,7 +293,7 @@ class PagedRows:
         total = self.pool[0].shape[0]
         grow = short if exact else max(short, total // 4)
         self.pool = tuple(mx.concatenate([p, mx.zeros((grow, *p.shape[1:]), dtype=p.dtype)], axis=0) for p in self.pool)
-        self.free = list(range(total + grow - 1, total - 1, -1)) + self.free
+        self.free += list(range(total + grow - 1, total - 1, -1))  # fresh pages before the freed ones
 
     def reserve_tokens(self, finals: list[int]) -> None:
         """Room for every row to reach its final length (in the rows' order): the engine asks when a
@@ -300,7 +322,7 @@ class PagedRows:
         if grow:
             self.reserve(grow)
             for n, tb in zip(self.lengths, self.tables):
-                tb.extend(self.free.pop() for _ in range(max(0, _pages(n + N) - len(tb))))
+                tb.extend(self._take(max(0, _pages(n + N) - len(tb))))
             self.version += 1
         q_start = device_lengths(self.lengths)
         where = tuple((tb[(n + j) // PAGE], (n + j) % PAGE) for tb, n in zip(self.tables, self.lengths) for j in range(N))
@@ -328,7 +350,7 @@ class PagedRows:
     # -- batch protocol -----------------------------------------------------
     def filter(self, idx: list[int]) -> None:
         keep = set(idx)
-        freed = set()
+        freed = []
         for b, tb in enumerate(self.tables):
             if b in keep:
                 continue
@@ -338,10 +360,8 @@ class PagedRows:
                     if self.refs[p] < 2:
                         del self.refs[p]
                 else:
-                    self.free.append(p)
-                    freed.add(p)
-        if freed:
-            self.index = {k: p for k, p in self.index.items() if p not in freed}
+                    freed.append(p)
+        self.free[:0] = freed  # taken last: a later row with the same prefix can take them back (join)
         self.tables = [self.tables[i] for i in idx]
         self.lengths = [self.lengths[i] for i in idx]
         self.version += 1
