@@ -137,7 +137,7 @@ class PagedRows:
         self.version = 0  # bumped whenever a table changes (the device table is remade only then)
         self._table: tuple | None = None  # (version, device table)
         self.index: dict[int, int] = {}  # hash of the token ids up to a whole page's end -> that page
-        self.page_keys: dict[int, list[int]] = {}  # page -> its keys in `index` (dropped when it gets new bytes)
+        self.page_keys: dict[int, set[int]] = {}  # page -> its keys in `index` (dropped when it gets new bytes)
 
     # -- packing --------------------------------------------------------------
     @staticmethod
@@ -234,7 +234,7 @@ class PagedRows:
             return
         for key, page in zip(self._keys(x, len(x) // PAGE), table):
             if self.index.setdefault(key, page) == page:
-                self.page_keys.setdefault(page, []).append(key)
+                self.page_keys.setdefault(page, set()).add(key)
 
     def _take(self, n: int) -> list[int]:
         """n free pages for new bytes (the caller reserved them): their index entries go."""
