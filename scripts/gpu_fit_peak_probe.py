@@ -16,39 +16,16 @@ import tempfile
 from pathlib import Path
 
 import mlx.core as mx
-from mlx_lm import load
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from fixtures.tiny_models import build_tiny_model  # noqa: E402
 
-from kvcore.bench.fit import fit_table  # noqa: E402
-from kvcore.engine import GenerateConfig, Request  # noqa: E402
-from kvcore.engine.generate import generate_one  # noqa: E402
-from kvcore.engine.memory import model_bytes  # noqa: E402
-from kvcore.policy import KVOptions, build_caches, resolve_policy  # noqa: E402
-from kvcore.transient import PrefillMemory  # noqa: E402
-
-SCHEMES = {"full": KVOptions(), "affine4": KVOptions(kv_bits=4, kv_group_size=32, quantized_kv_start=0)}
+from test_fit_peak import SCHEMES, measured_peak  # noqa: E402
 
 
 def case(path: Path, scheme: str, context: int) -> dict:
-    model, tok = load(str(path))
-    config = json.loads((path / "config.json").read_text())
-    policy = resolve_policy(SCHEMES[scheme])
-    weights = model_bytes(model)
-    row = next(r for r in fit_table(config, {scheme: policy}, 8 << 30, weights, [], [context], dtype_size=4)
-               if r.context == context)
-    prompt = tuple((7 * i + 3) % (config["vocab_size"] - 4) + 3 for i in range(context - 1))
-    mx.synchronize()
-    mx.clear_cache()
-    live = mx.get_active_memory()
-    mx.reset_peak_memory()
-    caches = build_caches(model, policy)[0]
-    generate_one(model, tok, Request(prompt, 1, "r"), caches,
-                 GenerateConfig(prefill_chunk=row.chunk, prefill_memory=PrefillMemory(model, config, policy)))
-    mx.synchronize()
-    measured = mx.get_peak_memory() - live + weights
-    return {"scheme": scheme, "context": context, "chunk": row.chunk, "weights": weights, "predicted": row.peak,
+    measured, row = measured_peak(path, SCHEMES[scheme], scheme, context)
+    return {"scheme": scheme, "context": context, "chunk": row.chunk, "predicted": row.peak,
             "measured": measured, "ratio": round(measured / row.peak, 4), "excess": measured - row.peak,
             "device": str(mx.default_device())}
 

@@ -184,7 +184,7 @@ class PagedRows:
         lengths = [r.offset for r in rows]
         counts = [_pages(n + 1) for n in lengths]
         shared = [self._shareable(r, n, x) for r, n, x in zip(rows, lengths, ids)]
-        free = set(self.free)
+        free = set(self.free) if any(shared) else ()
         revived = {p for sh in shared for p in sh if p in free}  # a departed row's pages, indexed still
         if revived:
             self.free = [p for p in self.free if p not in revived]
