@@ -90,10 +90,12 @@ def lookup(packed: mx.array, table: mx.array, bits: int, n: int) -> mx.array:
         return table[packed].reshape(*packed.shape[:-1], -1)[..., :n]
     if n % 8:  # rare head dims: unpack, then one lookup per index (row i < 2**bits starts with value i)
         return table[: 2**bits, 0][unpack(packed, bits, n)]
-    # 8 indices fill `bits` bytes: one little-endian word per group, then its chunks
-    g = packed.reshape(*packed.shape[:-1], n // 8, bits).astype(mx.uint64)  # (..., groups, bytes)
-    word = (g << mx.array(8 * np.arange(bits), dtype=mx.uint64)).sum(axis=-1)  # disjoint bits: sum = OR
-    shifts = mx.array(m * bits * np.arange(8 // m), dtype=mx.uint64)
+    # 8 indices fill `bits` bytes: one little-endian word per group (32 bits wide up to 4 bits:
+    # 64-bit integer arithmetic is several times slower on GPUs), then its chunks
+    wide = mx.uint32 if bits <= 4 else mx.uint64
+    g = packed.reshape(*packed.shape[:-1], n // 8, bits).astype(wide)  # (..., groups, bytes)
+    word = (g << mx.array(8 * np.arange(bits), dtype=wide)).sum(axis=-1)  # disjoint bits: sum = OR
+    shifts = mx.array(m * bits * np.arange(8 // m), dtype=wide)
     codes = (word[..., None] >> shifts) & ((1 << (m * bits)) - 1)  # (..., groups, 8 // m)
     return table[codes].reshape(*packed.shape[:-1], n)
 
