@@ -51,3 +51,15 @@ def wait_for(cond, timeout: float = 10.0):
     while not cond():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.005)
+
+
+def served_port(stderr, lines: int = 5) -> int:
+    """The port a `mlxkv serve` process announces on stderr (one-line notes, e.g. about BLAS, may come first)."""
+    seen = []
+    for _ in range(lines):
+        line = stderr.readline()
+        seen.append(line)
+        m = re.search(r"http://127\.0\.0\.1:(\d+)/v1", line)
+        if m:
+            return int(m.group(1))
+    raise AssertionError(f"no serving line in the first {lines} stderr lines: {seen}")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import http.client
 import importlib.util
 import json
-import re
 import signal
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from typer.testing import CliRunner
 
-from serve_helpers import get, metric, post, wait_for
+from serve_helpers import get, metric, post, served_port, wait_for
 from kvcore.serve import ServeConfig, start_server
 from kvcore.serve.server import EXTRA_MODULES
 from mlxkv_cli.main import build_app
@@ -137,8 +136,7 @@ def test_serve_command_finishes_a_running_stream_on_sigterm_and_exits_0(tiny_mod
     proc = subprocess.Popen([sys.executable, "-m", "mlxkv_cli", "serve", "-m", str(tiny_models("qwen3")),
                              "--port", "0", "--api-key", "k"], stderr=subprocess.PIPE, text=True)
     try:
-        line = proc.stderr.readline()
-        port = int(re.search(r"http://127\.0\.0\.1:(\d+)/v1", line).group(1))
+        port = served_port(proc.stderr)
         url = f"http://127.0.0.1:{port}"
         assert get(url, "/health")[0] == 200 and get(url, "/v1/models")[0] == 401
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)

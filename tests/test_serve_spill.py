@@ -7,7 +7,6 @@ hold compressed caches)."""
 
 from __future__ import annotations
 
-import re
 import signal
 import subprocess
 import sys
@@ -15,7 +14,7 @@ import sys
 import pytest
 from mlx_lm import load
 
-from serve_helpers import get, metric, post
+from serve_helpers import get, metric, post, served_port
 from kvcore.engine import Engine, GenerateConfig, Request, generate_one
 from kvcore.policy import KVOptions, build_caches, resolve_policy
 from kvcore.serve.prefix import PrefixCache
@@ -137,7 +136,7 @@ def test_a_second_server_process_reuses_the_first_s_prompt(qwen3, tmp_path):
                              "--prefill-chunk", str(CHUNK), "--prefix-cache-dir", str(tmp_path)],
                             stderr=subprocess.PIPE, text=True)
     try:
-        url = "http://127.0.0.1:" + re.search(r"http://127\.0\.0\.1:(\d+)/v1", proc.stderr.readline()).group(1)
+        url = f"http://127.0.0.1:{served_port(proc.stderr)}"
         status, r = post(url, {"model": "qwen3", "prompt": later, "max_tokens": 10, "temperature": 0},
                          path="/v1/completions")
         assert status == 200 and r["choices"][0]["text"] == want

@@ -18,6 +18,7 @@ import mlx.core as mx
 from .base import CodecSpec, Encoded
 from .bitpack import chunk_table, lookup, pack, packed_bytes
 from .lloyd_max import gaussian_codebook
+from . import turbo_cuda
 from .rotation import make_rotation
 
 BITS = (1, 2, 3, 4, 5, 6, 7, 8)
@@ -59,13 +60,19 @@ class TurboCodec:
         return pack(idx, self.bits), scale.astype(SCALE_DTYPE)  # (B, H, T, ceil(d*bits/8)) uint8, (B, H, T, 1)
 
     def decode(self, enc: Encoded, dtype: mx.Dtype) -> mx.array:
-        return self.rotation.inverse(self._rotated(enc)).astype(dtype)
+        return self.rotation.inverse(self._rotated(enc, mx.float32)).astype(dtype)
 
     def decode_rotated(self, enc: Encoded, dtype: mx.Dtype) -> mx.array:
         """R x instead of x: for attention run in the rotated basis (`kvcore.attention.rotated`)."""
-        return self._rotated(enc).astype(dtype)
+        return self._rotated(enc, dtype)
 
-    def _rotated(self, enc: Encoded) -> mx.array:
+    def _rotated(self, enc: Encoded, dtype: mx.Dtype) -> mx.array:
+        """s c as `dtype`: one CUDA launch where it serves (`turbo_cuda`, the same values bit for bit)."""
+        out = turbo_cuda.rotated(self, enc, dtype)
+        return self.portable_rotated(enc).astype(dtype) if out is None else out
+
+    def portable_rotated(self, enc: Encoded) -> mx.array:
+        """s c in float32, in pure MLX (the reference of the CUDA launch)."""
         packed, scale = enc
         c = lookup(packed, self.table, self.bits, self.head_dim)  # (B, H, T, d) centroids
         return c * scale.astype(mx.float32)
