@@ -27,3 +27,21 @@ def versions() -> dict:
     from . import __version__
 
     return {"mlxkv": __version__, "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__}
+
+
+def failure(e: Exception) -> str:
+    """An exception as one line of a verdict: its type and the first 200 characters of its message."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+
+
+class Verdicts(dict):
+    """Device launches' admissions, each key checked once: None (admitted) or why not. A check that
+    raises (a kernel that cannot build or run here) refuses, naming its error; the portable path serves."""
+
+    def admitted(self, key, check) -> bool:
+        if key not in self:
+            try:
+                self[key] = check()
+            except Exception as e:  # noqa: BLE001 - a refusal, not a crash
+                self[key] = failure(e)
+        return self[key] is None

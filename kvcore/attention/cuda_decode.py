@@ -22,7 +22,7 @@ from functools import cache
 
 import mlx.core as mx
 
-from ..backend import backend_name
+from ..backend import backend_name, failure
 from ..cache.packed import per_step
 from ..cache.view import DENSE, ENCODED, Joint
 from ..codecs import CodecSpec
@@ -346,7 +346,7 @@ def admitted(plan: Plan, q_dtype) -> bool:
             try:
                 why = check_plan(plan, q_dtype)
             except Exception as e:  # noqa: BLE001 - a kernel that cannot build or run here: the portable path serves
-                why = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                why = failure(e)
         _VERDICTS[key] = why
     return _VERDICTS[key] is None
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..backend import backend_name
+from ..backend import Verdicts, backend_name
 
 # device functions both encode kernels inline: the row a lane reads, its elements with their min and max,
 # the group's scale and bias, a code
@@ -151,7 +151,7 @@ WORD_SOURCE = r"""
 """
 
 _KERNELS: dict = {}  # (bits, group, pre16) -> kernel object (its constants in its source)
-_VERDICTS: dict = {}  # (bits, group, dim, dtype name) -> None (admitted) or why not
+_VERDICTS = Verdicts()  # (bits, group, dim, dtype) -> None (admitted) or why not
 _COVERS: dict = {}  # (codec class, bits, group, layout, dim, dtype) -> its encoder, or None (asked per decode step)
 THREADS = 128
 DTYPES = (mx.bfloat16, mx.float16, mx.float32)
@@ -234,13 +234,7 @@ def encode_joint(codec, keys: mx.array, values: mx.array) -> tuple | None:
 
 
 def admitted(bits: int, group: int, dim: int, dtype) -> bool:
-    key = (bits, group, dim, dtype)
-    if key not in _VERDICTS:
-        try:
-            _VERDICTS[key] = check(bits, group, dim, dtype)
-        except Exception as e:  # noqa: BLE001 - a kernel that cannot build or run here: the portable encode serves
-            _VERDICTS[key] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-    return _VERDICTS[key] is None
+    return _VERDICTS.admitted((bits, group, dim, dtype), lambda: check(bits, group, dim, dtype))
 
 
 def check(bits: int, group: int, dim: int, dtype) -> str | None:

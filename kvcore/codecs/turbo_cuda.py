@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..backend import backend_name
+from ..backend import Verdicts, backend_name
 
 SOURCE = r"""
   constexpr int GROUPS = D / 8;
@@ -41,7 +41,7 @@ SOURCE = r"""
 THREADS = 256
 DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 _KERNELS: dict = {}  # (bits, dim, dtype) -> kernel
-_VERDICTS: dict = {}  # (bits, dim, dtype) -> None (admitted) or why not
+_VERDICTS = Verdicts()  # (bits, dim, dtype) -> None (admitted) or why not
 
 
 def _kernel(bits: int, dim: int, dtype):
@@ -82,13 +82,7 @@ def rotated(codec, enc, dtype) -> mx.array | None:
 
 
 def admitted(codec, dtype) -> bool:
-    key = (codec.bits, codec.head_dim, dtype)
-    if key not in _VERDICTS:
-        try:
-            _VERDICTS[key] = check(codec, dtype)
-        except Exception as e:  # noqa: BLE001 - a kernel that cannot build or run here: the portable decode serves
-            _VERDICTS[key] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-    return _VERDICTS[key] is None
+    return _VERDICTS.admitted((codec.bits, codec.head_dim, dtype), lambda: check(codec, dtype))
 
 
 def check(codec, dtype) -> str | None:
