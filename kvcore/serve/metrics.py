@@ -9,6 +9,7 @@ from collections import Counter, deque
 from ..engine import kv_summary
 
 WINDOW_S = 10.0  # tokens/s is measured over this many recent seconds
+REASONS = ("abort", "eos", "length", "stop")  # always rendered (0 until one happens), as Prometheus advises for known labels
 
 
 class EngineMetrics:
@@ -100,7 +101,7 @@ def render(m: EngineMetrics, gauges: dict, http: Counter, in_flight: int) -> str
     metric("decode_steps_total", "counter", "Decode steps run.", [("", m.decode_steps)])
     metric("requests_total", "counter", "Requests handed to the engine.", [("", m.requests)])
     metric("requests_finished_total", "counter", "Requests finished, by reason.",
-           [(f'{{reason="{r}"}}', n) for r, n in sorted(m.finish.items())] or [('{reason="stop"}', 0)])
+           [(f'{{reason="{r}"}}', n) for r, n in sorted({**dict.fromkeys(REASONS, 0), **m.finish}.items())])
     metric("http_refused_total", "counter", "Requests refused, by HTTP status.",
            [(f'{{status="{s}"}}', n) for s, n in sorted(http.items())] or [('{status="429"}', 0)])
     p = gauges.get("prefix")
