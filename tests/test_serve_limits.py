@@ -195,3 +195,20 @@ def test_a_failing_step_fails_its_requests_and_a_fresh_engine_serves_on(server):
     ok, r = post(server.url, body(server))
     assert ok == 200 and r["usage"]["completion_tokens"] == 4
     assert get(server.url, "/health") == (200, {"status": "ok"})
+
+
+def test_a_request_counted_in_flight_is_already_submitted():
+    """The limit tests hold the engine and then wait for `in_flight`: a request must be in the engine's queue by
+    the time it is counted (else a hold queued in between runs before its add, and its disconnect goes unseen)."""
+    needs_serve_extra()
+    from kvcore.serve.app import ServeState
+    from kvcore.serve.errors import APIError
+
+    state, seen = ServeState(max_pending=2), []
+    assert state.enter(2, lambda: seen.append(state.in_flight) or "gen") == "gen"
+    assert seen == [0] and state.in_flight == 2
+    with pytest.raises(APIError) as e:
+        state.enter(1, lambda: seen.append("submitted"))
+    assert e.value.status == 429 and seen == [0] and state.in_flight == 2
+    state.leave(2)
+    assert state.in_flight == 0

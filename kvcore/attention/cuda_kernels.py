@@ -90,7 +90,7 @@ def body(mma: int) -> str:
     """The decode kernel's text after its constants: the tensor-core body (form 1, 2: staged, or 3: form 2's
     keys-as-A arithmetic with form 1's loads) or the scalar one, then the merge tail."""
     bodies = {0: src.SCALAR_BODY, 1: cuda_mma.BODY, 2: cuda_stage.BODY, 3: cuda_form3.BODY}
-    return src.compact(src.PROLOGUE + bodies[int(mma)] + src.TAIL)
+    return src.compact(src.prologue() + bodies[int(mma)] + src.tail())
 
 
 @cache

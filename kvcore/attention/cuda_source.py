@@ -7,6 +7,8 @@ per plan and never as the context grows. The device functions it inlines are in 
 (`HEADER`), with how a token row's elements are read.
 """
 
+import os
+
 from .cuda_helpers import HEADER  # noqa: F401 - the kernel's header, beside its body
 
 INPUTS = ["q", "kw", "ks", "kb", "vw", "vs", "vb", "kcb", "vcb", "rows", "dims", "fscale", "ctr", "slot", "sinks",
@@ -220,7 +222,7 @@ TAIL = r"""
       const int vl = i / D4, d4 = i % D4, v = qc * QVB + vl, hq = h * REP + v / NQ, n = v % NQ;
       const float* wv = ws + vl * NSPLIT;
       float4 num = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 8
+#pragma unroll MERGE_UNROLL
       for (int s = 0; s < NSPLIT; s++) {
         const float w = wv[s];
         const float4 a = __ldcg(reinterpret_cast<const float4*>(acc_out + (base + (long long)s * QVT + v) * DV) + d4);
@@ -238,7 +240,55 @@ TAIL = r"""
   }
 """
 
-SOURCE = PROLOGUE + SCALAR_BODY + TAIL  # the kernel of plans read with CUDA cores (`cuda_mma` has the other body)
+MERGE_UNROLL = int(os.environ.get("MLXKV_CUDA_MERGE_UNROLL", "8"))  # partial outputs in flight per merge thread (A/B knob)
+
+
+ARRIVE = os.environ.get("MLXKV_CUDA_ARRIVE", "fence")  # how a split's block counts itself (A/B knob, below)
+
+# MLXKV_CUDA_ARRIVE=release (opt-in until checked and timed on the H200): ncu's source counters put 31% of
+# form 1's stall samples at 32k on the default arrival (`__threadfence` is MEMBAR.SC.GPU + an L1 invalidate in
+# all 4 warps, then every warp waits on a load of slot[0] issued after it). This one is CUTLASS's split-K
+# semaphore: the block's barrier, then thread 0 alone releases (fence.acq_rel.gpu, a relaxed atomic add), the
+# last block's thread 0 acquires (fence.acq_rel.gpu) before the barrier that lets its threads read the
+# partials (through L2, __ldcg); slot[0] is read at the kernel's start (`slot0`, in PROLOGUE_SLOT).
+RELEASE_ARRIVAL = r"""
+    __shared__ int last;
+    int* counter = const_cast<int*>(ctr) + slot0 + (b * gridDim.y + h) * NQC + qc;
+    __syncthreads();
+    if (tid == 0) {
+      int prev;
+      asm volatile("fence.acq_rel.gpu;\n\tatom.relaxed.gpu.global.add.s32 %0, [%1], 1;" : "=r"(prev) : "l"(counter) : "memory");
+      if (prev == NSPLIT - 1) asm volatile("fence.acq_rel.gpu;" ::: "memory");
+      last = prev == NSPLIT - 1;
+    }
+    __syncthreads();
+    if (!last) return;
+"""
+FENCE_ARRIVAL = r"""
+    __shared__ int last;
+    __threadfence();
+    __syncthreads();
+    int* counter = const_cast<int*>(ctr) + slot[0] + (b * gridDim.y + h) * NQC + qc;
+    if (tid == 0) last = atomicAdd(counter, 1) == NSPLIT - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+"""
+PROLOGUE_SLOT = "  const int slot0 = slot[0];  // the split counters' base, read before the partials are written\n"
+
+
+def tail() -> str:
+    """The in-launch merge with its arrival (ARRIVE) and unroll factor written in (NVRTC's `#pragma unroll`
+    takes a literal)."""
+    text = TAIL.replace("MERGE_UNROLL", str(MERGE_UNROLL))
+    return text if ARRIVE != "release" else text.replace(FENCE_ARRIVAL, RELEASE_ARRIVAL)
+
+
+def prologue() -> str:
+    return PROLOGUE + PROLOGUE_SLOT if ARRIVE == "release" else PROLOGUE
+
+
+SOURCE = prologue() + SCALAR_BODY + tail()  # the kernel of plans read with CUDA cores (`cuda_mma` has the other body)
 
 MERGE_INPUTS = ["m", "l", "acc", "sinks", "dims"]
 MERGE_OUTPUTS = ["out"]

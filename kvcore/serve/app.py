@@ -11,6 +11,8 @@ import asyncio
 import hmac
 import time
 from collections import Counter
+from collections.abc import Callable
+from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -28,6 +30,8 @@ from .openapi import install as install_openapi
 from .requests import check_model, engine_requests
 from .served import Served
 from .worker import EngineWorker
+
+T = TypeVar("T")
 
 OPEN_PATHS = ("/health",)
 METRICS_WAIT_S = 30.0  # /metrics waits at most this long for the engine thread (one step)
@@ -52,7 +56,9 @@ class ServeState:
             self._box = Mailbox(loop)
         return self._box
 
-    def enter(self, rows: int) -> None:
+    def enter(self, rows: int, submit: Callable[[], T]) -> T:
+        """Admit `rows` rows: refused (503, 429), or submitted and then counted in flight, so a request
+        counted in flight is already in the engine's queue (nothing awaits in between)."""
         if self.draining:
             self.refused[503] += 1
             raise APIError(503, "the server is shutting down", code="shutting_down")
@@ -60,7 +66,9 @@ class ServeState:
             self.refused[429] += 1
             raise APIError(429, f"the server is at capacity ({self.max_pending} rows in flight); retry later",
                            code="queue_full", type="rate_limit_exceeded")
+        out = submit()
         self.in_flight += rows
+        return out
 
     def leave(self, rows: int) -> None:
         self.in_flight -= rows
@@ -138,8 +146,8 @@ def create_app(worker: EngineWorker, served: Served) -> FastAPI:
         rows = engine_requests(body, rid, ids, served)
         if not worker.alive:
             raise APIError(503, "the engine has stopped", code="engine_stopped")
-        state.enter(len(rows))
-        gen = Generation(worker, rows, lambda: state.leave(len(rows)), state.mailbox(), body)
+        n = len(rows)
+        gen = state.enter(n, lambda: Generation(worker, rows, lambda: state.leave(n), state.mailbox(), body))
         try:
             await gen.accepted()
         except BaseException:
