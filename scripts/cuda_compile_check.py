@@ -9,7 +9,7 @@ a spill, or a register count that costs a block per SM shows here before any dev
 Needs NVRTC and nvdisasm from PyPI (no GPU, no CUDA install):
 
     pip install nvidia-cuda-nvrtc nvidia-cuda-nvdisasm nvidia-cuda-runtime
-    python scripts/cuda_compile_check.py [--forms 0,1,2,3] [--bits 4,8] [--sass out_folder]
+    python scripts/cuda_compile_check.py [--forms 0,1,2,3] [--bits 4,8] [--paged] [--sass out_folder]
 """
 
 from __future__ import annotations
@@ -134,11 +134,12 @@ def main() -> None:
     ap.add_argument("--forms", default="0,1,2,3")
     ap.add_argument("--bits", default="4,8")
     ap.add_argument("--sass", default=None, help="a folder for each kernel's cubin and SASS text")
+    ap.add_argument("--paged", action="store_true", help="the paged rows' kernel (pages found through a block table)")
     a = ap.parse_args()
     cc = Compiler()
     mx.fast.cuda_kernel = StandIn  # before the kernel modules build anything
     from kvcore.attention import cuda_kernels as ck
-    from kvcore.attention.cuda_launch import BIG, Plan, Side
+    from kvcore.attention.cuda_launch import BIG, PAGE, Plan, Side
     from kvcore.codecs import CodecSpec
     from kvcore.codecs.affine import AffineCodec
 
@@ -147,13 +148,17 @@ def main() -> None:
     for form in (int(f) for f in a.forms.split(",")):
         for bits in (int(b) for b in a.bits.split(",")):
             side, codec = Side("affine", bits, 64, D), AffineCodec(CodecSpec("affine", bits, 64), D)
-            plan = Plan(side, side, HQ // HKV, 1, False, form)
+            plan = Plan(side, side, HQ // HKV, 1, a.paged, form)
             if plan.why_not():
                 print(f"form {form} affine:{bits}: not covered ({plan.why_not()})")
                 continue
-            parts = [codec.encode(mx.random.normal((1, HKV, T, D))) for _ in range(2)]
+            pages = T // PAGE
+            shape = (pages, HKV, PAGE, D) if a.paged else (1, HKV, T, D)  # pages (P, H', PAGE, ...) or one row
+            parts = [codec.encode(mx.random.normal(shape)) for _ in range(2)]
             rows = mx.array([(-BIG, T, T)], dtype=mx.int32)
-            launch = ck.Launch(side, side, parts[0], parts[1], ck.dummy(mx.float32), ck.dummy(mx.float32), rows, T)
+            table = mx.arange(pages, dtype=mx.int32)[None] if a.paged else None
+            launch = ck.Launch(side, side, parts[0], parts[1], ck.dummy(mx.float32), ck.dummy(mx.float32), rows, T,
+                               table=table)
             q = mx.random.normal((1, HQ, 1, D)).astype(mx.bfloat16)
             StandIn.built.clear()
             ck._KERNELS.clear()
@@ -167,13 +172,14 @@ def main() -> None:
                     continue
                 regs = re.search(r"Used (\d+) registers", log)
                 spill = re.search(r"(\d+) bytes spill stores", log)
-                line = (f"form {form} affine:{bits}: {regs.group(1) if regs else '?'} registers, "
+                line = (f"form {form} affine:{bits}{' paged' if a.paged else ''}: {regs.group(1) if regs else '?'} registers, "
                         f"{spill.group(1) if spill else '?'} bytes spilled, grid {grid}, block {block}")
                 if a.sass:
                     out = Path(a.sass)
                     out.mkdir(parents=True, exist_ok=True)
-                    sass = cc.sass(cubin, out / f"form{form}-affine{bits}.cubin")
-                    (out / f"form{form}-affine{bits}.sass").write_text(sass)
+                    stem = f"form{form}-affine{bits}{'-paged' if a.paged else ''}"
+                    sass = cc.sass(cubin, out / f"{stem}.cubin")
+                    (out / f"{stem}.sass").write_text(sass)
                     n, ops = hot_loop(sass)
                     line += f", {len(SASS_LINE.findall(sass))} SASS instructions"
                     if n:

@@ -312,3 +312,14 @@ def test_release_arrival_replaces_the_fenced_one_whole(monkeypatch):
     assert "__threadfence" not in text and text.count("fence.acq_rel.gpu") == 2 and "slot[0]" not in text
     assert text.replace(cuda_source.RELEASE_ARRIVAL, cuda_source.FENCE_ARRIVAL) == default
     assert cuda_source.prologue().endswith(cuda_source.PROLOGUE_SLOT)
+
+
+def test_paged_bodies_look_a_tile_s_page_up_once_one_tile_ahead():
+    """Forms 1 and 3 read the block table twice in their text (before the loop, and one tile ahead inside it),
+    not once per load; every load of a tile reads the tile's page (`pbt`)."""
+    from kvcore.attention import cuda_form3, cuda_mma
+
+    for body in (cuda_mma.BODY, cuda_form3.BODY):
+        assert body.count("ptab[") == 2 and "PAGE_AHEAD" not in body and "TILE_PAGE" not in body
+        loop = body[body.index("for (int t0 = t_begin"):]
+        assert loop.index("pb_next = ptab[") < loop.index("load_words") and loop.count("const int pb = pbt") >= 2

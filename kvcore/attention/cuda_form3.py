@@ -13,7 +13,7 @@ Shared memory, launch bounds and constants are form 1's (`cuda_mma.mma_smem`, `c
 
 from __future__ import annotations
 
-from .cuda_mma import MERGE, PRELUDE, QUERIES, VALUE_LOADS, VALUES
+from .cuda_mma import MERGE, PRELUDE, QUERIES, VALUE_LOADS, VALUES, paged_loop
 from .cuda_stage import KEY_MMA, LANE_QUERIES, PARTIALS, SOFTMAX
 
 # keys of tokens t0 + g (w0, sa, za) and t0 + 8 + g (w1, sb, zb): this lane's words [WTK c, WTK c + WTK)
@@ -26,8 +26,7 @@ KEY_LOADS = r"""
 #pragma unroll
       for (int r = 0; r < 2; r++) {
         const int t = min(t0 + 8 * r + g, t_end - 1);
-        int pb = b, tp = t;
-        if constexpr (PAGED) { pb = ptab[b * PTW + t / PAGE]; tp = t % PAGE; }
+        const int pb = pbt, tp = PAGED ? t % PAGE : t;
         load_words<WTK>(r ? w1 : w0, row_base(kw, 4, kw_strides.data(), pb, h) + tp * ktb + 4 * WTK * c, kvec);
         const long long mo = pb * ks_strides[0] + h * ks_strides[1] + (long long)tp * ks_strides[2];
         const long long zo = pb * kb_strides[0] + h * kb_strides[1] + (long long)tp * kb_strides[2];
@@ -41,9 +40,11 @@ KEY_LOADS = r"""
 """
 
 LOOP = LANE_QUERIES + r"""
+  PAGE_AHEAD
   for (int t0 = t_begin + 16 * warp; t0 < t_end; t0 += 16 * NWARP) {
+    TILE_PAGE
 """ + KEY_LOADS + KEY_MMA + SOFTMAX + VALUE_LOADS + VALUES + r"""
   }
 """ + PARTIALS
 
-BODY = PRELUDE + QUERIES + LOOP + MERGE
+BODY = PRELUDE + QUERIES + paged_loop(LOOP) + MERGE

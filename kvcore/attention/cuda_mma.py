@@ -221,6 +221,24 @@ MERGE = r"""
   }
 """
 
+# paged rows: a warp's 16 tokens lie in one page (tiles start on tile boundaries, PAGE a multiple of 16), so the
+# tile's page is looked up once, one tile ahead (`pbt` this tile's, `pb_next` the next one's): the block table's
+# load is off the loads' critical path. Rows that are not paged read their own row (`pbt` = b).
+PAGE_AHEAD = r"""
+  int pb_next = b;
+  if constexpr (PAGED) { if (t_begin + 16 * warp < t_end) pb_next = ptab[b * PTW + (t_begin + 16 * warp) / PAGE]; }
+"""
+TILE_PAGE = r"""
+    const int pbt = pb_next;
+    if constexpr (PAGED) { if (t0 + 16 * NWARP < t_end) pb_next = ptab[b * PTW + (t0 + 16 * NWARP) / PAGE]; }
+"""
+
+
+def paged_loop(text: str) -> str:
+    """A loop's text with the one-tile-ahead page lookup written in (forms 1 and 3)."""
+    return text.replace("  PAGE_AHEAD\n", PAGE_AHEAD).replace("    TILE_PAGE\n", TILE_PAGE)
+
+
 # this lane's V words of tokens t0 + (2c, 2c + 1, 2c + 8, 2c + 9) and their scales / biases, read from global
 # memory (forms 1 and 3), for VALUES
 VALUE_LOADS = r"""
@@ -230,8 +248,7 @@ VALUE_LOADS = r"""
 #pragma unroll
     for (int k = 0; k < 4; k++) {
       const int t = min(t0 + 2 * c + (k & 1) + 8 * (k >> 1), t_end - 1);
-      int pb = b, tp = t;
-      if constexpr (PAGED) { pb = ptab[b * PTW + t / PAGE]; tp = t % PAGE; }
+      const int pb = pbt, tp = PAGED ? t % PAGE : t;
       load_words<WTV>(vwd[k], row_base(vw, 4, vw_strides.data(), pb, h + VH) + tp * vtb + 4 * WTV * g, vvec);
       const int grp = (VPL * g) / VG;
       vsc[k] = vs[pb * vs_strides[0] + (h + VH) * vs_strides[1] + (long long)tp * vs_strides[2] + grp * vs_strides[3]];
@@ -245,14 +262,15 @@ LOOP = r"""
   const bool real = g < QVB;
   float m_run = NEG, l_run = 0.f;  // query vector g, log2 units; l over this lane's tokens
 
+  PAGE_AHEAD
   for (int t0 = t_begin + 16 * warp; t0 < t_end; t0 += 16 * NWARP) {
+    TILE_PAGE
     // scores of tokens t0 + 8 nb + (2c, 2c + 1) for query vector g
     float s[2][4];
 #pragma unroll
     for (int nb = 0; nb < 2; nb++) {
       const int t = min(t0 + 8 * nb + g, t_end - 1);
-      int pb = b, tp = t;
-      if constexpr (PAGED) { pb = ptab[b * PTW + t / PAGE]; tp = t % PAGE; }
+      const int pb = pbt, tp = PAGED ? t % PAGE : t;
       uint32_t w[WTK];
       load_words<WTK>(w, row_base(kw, 4, kw_strides.data(), pb, h) + tp * ktb + 4 * WTK * c, kvec);
       const long long mo = pb * ks_strides[0] + h * ks_strides[1] + (long long)tp * ks_strides[2];
@@ -316,4 +334,4 @@ LOOP = r"""
   if (c == 0 && real) { wm[warp * 8 + g] = m_run; wl[warp * 8 + g] = lq; }
 """
 
-BODY = PRELUDE + QUERIES + LOOP + MERGE
+BODY = PRELUDE + QUERIES + paged_loop(LOOP) + MERGE
