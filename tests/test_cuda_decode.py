@@ -302,16 +302,15 @@ def emulate_merge_split(q, launch, plan, scale, sinks, split):
     return emulate_merge([emulate_partials(q, launch, plan, scale, 2, split)], q.shape, plan.rep, sinks)
 
 
-def test_release_arrival_replaces_the_fenced_one_whole(monkeypatch):
+def test_release_arrival_replaces_the_fenced_one_whole():
     """MLXKV_CUDA_ARRIVE=release swaps the split counter's arrival text for CUTLASS's semaphore pattern: the
     replacement must find the default text (a silent no-op would time the default as the variant)."""
-    default, start = cuda_source.tail(), cuda_source.prologue()
+    default, start = cuda_source.tail("fence"), cuda_source.prologue("fence")
     assert cuda_source.FENCE_ARRIVAL in default and "slot0" not in start
-    monkeypatch.setattr(cuda_source, "ARRIVE", "release")
-    text = cuda_source.tail()
+    text = cuda_source.tail("release")
     assert "__threadfence" not in text and text.count("fence.acq_rel.gpu") == 2 and "slot[0]" not in text
     assert text.replace(cuda_source.RELEASE_ARRIVAL, cuda_source.FENCE_ARRIVAL) == default
-    assert cuda_source.prologue().endswith(cuda_source.PROLOGUE_SLOT)
+    assert cuda_source.prologue("release").endswith(cuda_source.PROLOGUE_SLOT)
 
 
 def test_paged_bodies_look_a_tile_s_page_up_once_one_tile_ahead():

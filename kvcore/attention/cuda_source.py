@@ -277,15 +277,15 @@ FENCE_ARRIVAL = r"""
 PROLOGUE_SLOT = "  const int slot0 = slot[0];  // the split counters' base, read before the partials are written\n"
 
 
-def tail() -> str:
-    """The in-launch merge with its arrival (ARRIVE) and unroll factor written in (NVRTC's `#pragma unroll`
-    takes a literal)."""
+def tail(arrive: str = ARRIVE) -> str:
+    """The in-launch merge with its arrival (`arrive`: ARRIVE's values) and unroll factor written in (NVRTC's
+    `#pragma unroll` takes a literal)."""
     text = TAIL.replace("MERGE_UNROLL", str(MERGE_UNROLL))
-    return text if ARRIVE != "release" else text.replace(FENCE_ARRIVAL, RELEASE_ARRIVAL)
+    return text if arrive != "release" else text.replace(FENCE_ARRIVAL, RELEASE_ARRIVAL)
 
 
-def prologue() -> str:
-    return PROLOGUE + PROLOGUE_SLOT if ARRIVE == "release" else PROLOGUE
+def prologue(arrive: str = ARRIVE) -> str:
+    return PROLOGUE + PROLOGUE_SLOT if arrive == "release" else PROLOGUE
 
 
 SOURCE = prologue() + SCALAR_BODY + tail()  # the kernel of plans read with CUDA cores (`cuda_mma` has the other body)
