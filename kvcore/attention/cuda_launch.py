@@ -28,6 +28,10 @@ WARPS = THREADS // 32
 MAX_QUERIES = 8  # decode and speculative verify
 MAX_VECTORS = 8  # query vectors (heads x queries) one block holds in registers
 TARGET_BLOCKS = int(os.environ.get("MLXKV_CUDA_TARGET_BLOCKS", str(4 * 132)))  # ~4 blocks per SM of an H200 (132 SMs)
+# fewest tiles a split takes (A/B knob, default 1: splits from TARGET_BLOCKS alone): run 10 had 264 target blocks
+# 10% faster at 32k (8 -> 16 tiles a split) and 11% slower at 128k (32 tiles a split either way), so a floor on a
+# split's work may serve both lengths
+SPLIT_TILES = max(1, int(os.environ.get("MLXKV_CUDA_SPLIT_TILES", "1")))
 MAX_SMEM = 100 * 1024  # bytes; more would leave one block per SM
 BIG = 2**30  # "no bound" in the per-row token bounds
 KINDS = {"dense": 0, "affine": 1, "turbo": 2}
@@ -238,11 +242,12 @@ class Plan:
             t += [("SOFF_" + name, off) for name, off in st.offsets(k.groups, v.groups).items()]
         return t + [("OFF_" + name, off) for name, off in self.layout.items() if name != "TOTAL"]
 
-    def splits(self, columns: int, rows: int, heads: int) -> tuple[int, int]:
+    def splits(self, columns: int, rows: int, heads: int, split_tiles: int = SPLIT_TILES) -> tuple[int, int]:
         """(chunk, nsplit) for `columns` tokens at most per row (a host int: capacity or length):
-        enough blocks to fill the device, each split a whole number of tiles."""
+        enough blocks to fill the device, each split a whole number of tiles, at least `split_tiles` of them
+        where there are that many."""
         tiles = max(1, _ceil(columns, self.tile))
-        want = _ceil(TARGET_BLOCKS, rows * heads * self.nqc)
+        want = min(_ceil(TARGET_BLOCKS, rows * heads * self.nqc), max(1, tiles // split_tiles))
         per = _ceil(tiles, min(max(want, 1), tiles))  # tiles per split
         return per * self.tile, _ceil(tiles, per)
 
