@@ -255,10 +255,12 @@ RELEASE_ARRIVAL = r"""
     __shared__ int last;
     int* counter = const_cast<int*>(ctr) + slot0 + (b * gridDim.y + h) * NQC + qc;
     __syncthreads();
-    if (tid == 0) {
-      int prev;
-      asm volatile("fence.acq_rel.gpu;\n\tatom.relaxed.gpu.global.add.s32 %0, [%1], 1;" : "=r"(prev) : "l"(counter) : "memory");
-      if (prev == NSPLIT - 1) asm volatile("fence.acq_rel.gpu;" ::: "memory");
+    if (tid == 0) {  // one split: the block's own partials, ordered by the barrier (no counter, no fence)
+      int prev = 0;
+      if (NSPLIT > 1) {
+        asm volatile("fence.acq_rel.gpu;\n\tatom.relaxed.gpu.global.add.s32 %0, [%1], 1;" : "=r"(prev) : "l"(counter) : "memory");
+        if (prev == NSPLIT - 1) asm volatile("fence.acq_rel.gpu;" ::: "memory");
+      }
       last = prev == NSPLIT - 1;
     }
     __syncthreads();
