@@ -135,30 +135,41 @@ def main() -> None:
     ap.add_argument("--bits", default="4,8")
     ap.add_argument("--sass", default=None, help="a folder for each kernel's cubin and SASS text")
     ap.add_argument("--paged", action="store_true", help="the paged rows' kernel (pages found through a block table)")
+    ap.add_argument("--turbo", default=None, metavar="KB,VB",
+                    help="turbo K/V of these bits instead of affine (with MLXKV_CUDA_TURBO_MMA=1: the tensor-core body)")
     a = ap.parse_args()
     cc = Compiler()
     mx.fast.cuda_kernel = StandIn  # before the kernel modules build anything
     from kvcore.attention import cuda_kernels as ck
     from kvcore.attention.cuda_launch import BIG, PAGE, Plan, Side
     from kvcore.codecs import CodecSpec
+    from kvcore.attention.cuda_mma import mma_fits
     from kvcore.codecs.affine import AffineCodec
+    from kvcore.codecs.turbo import TurboCodec
 
     HQ, HKV, D, T = 32, 8, 128, 512
     failed = 0
     for form in (int(f) for f in a.forms.split(",")):
         for bits in (int(b) for b in a.bits.split(",")):
             side, codec = Side("affine", bits, 64, D), AffineCodec(CodecSpec("affine", bits, 64), D)
-            plan = Plan(side, side, HQ // HKV, 1, a.paged, form)
+            vside, vcodec, books = side, codec, (ck.dummy(mx.float32), ck.dummy(mx.float32))
+            if a.turbo:
+                kb_, vb_ = (int(x) for x in a.turbo.split(","))
+                codec, vcodec = TurboCodec(CodecSpec("turbo", kb_), D), TurboCodec(CodecSpec("turbo", vb_), D)
+                side, vside = Side("turbo", kb_, D, D), Side("turbo", vb_, D, D)
+                books = (codec.centroids, vcodec.centroids)
+            plan = Plan(side, vside, HQ // HKV, 1, a.paged, form if mma_fits(side, vside, HQ // HKV, 1, "bfloat16") else 0)
+            label = f"turbo:{a.turbo}" if a.turbo else f"affine:{bits}"
             if plan.why_not():
-                print(f"form {form} affine:{bits}: not covered ({plan.why_not()})")
+                print(f"form {form} {label}: not covered ({plan.why_not()})")
                 continue
             pages = T // PAGE
             shape = (pages, HKV, PAGE, D) if a.paged else (1, HKV, T, D)  # pages (P, H', PAGE, ...) or one row
-            parts = [codec.encode(mx.random.normal(shape)) for _ in range(2)]
+            parts = [c.encode(mx.random.normal(shape)) for c in (codec, vcodec)]
+            parts = [p if len(p) == 3 else (*p, ck.dummy()) for p in parts]  # turbo: (packed, norm) + no biases
             rows = mx.array([(-BIG, T, T)], dtype=mx.int32)
             table = mx.arange(pages, dtype=mx.int32)[None] if a.paged else None
-            launch = ck.Launch(side, side, parts[0], parts[1], ck.dummy(mx.float32), ck.dummy(mx.float32), rows, T,
-                               table=table)
+            launch = ck.Launch(side, vside, parts[0], parts[1], books[0], books[1], rows, T, table=table)
             q = mx.random.normal((1, HQ, 1, D)).astype(mx.bfloat16)
             StandIn.built.clear()
             ck._KERNELS.clear()
@@ -168,16 +179,16 @@ def main() -> None:
                     cubin, log = cc.compile(name, text)
                 except RuntimeError as e:
                     failed += 1
-                    print(f"form {form} affine:{bits}: {e}")
+                    print(f"form {form} {label}: {e}")
                     continue
                 regs = re.search(r"Used (\d+) registers", log)
                 spill = re.search(r"(\d+) bytes spill stores", log)
-                line = (f"form {form} affine:{bits}{' paged' if a.paged else ''}: {regs.group(1) if regs else '?'} registers, "
+                line = (f"form {form} {label}{' paged' if a.paged else ''}: {regs.group(1) if regs else '?'} registers, "
                         f"{spill.group(1) if spill else '?'} bytes spilled, grid {grid}, block {block}")
                 if a.sass:
                     out = Path(a.sass)
                     out.mkdir(parents=True, exist_ok=True)
-                    stem = f"form{form}-affine{bits}{'-paged' if a.paged else ''}"
+                    stem = f"form{form}-{label.replace(':', '').replace(',', '-')}{'-paged' if a.paged else ''}"
                     sass = cc.sass(cubin, out / f"{stem}.cubin")
                     (out / f"{stem}.sass").write_text(sass)
                     n, ops = hot_loop(sass)

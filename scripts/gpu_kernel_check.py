@@ -56,7 +56,8 @@ def check_matrix(quick: bool):
     from kvcore.attention.cuda_mma import mma_fits
 
     plans += [(Plan(p.key, p.value, p.rep, p.n_queries, p.paged, form), t) for form in (1, 2) for p, t in plans
-              if mma_fits(p.key, p.value, p.rep, p.n_queries, t)]
+              if mma_fits(p.key, p.value, p.rep, p.n_queries, t)
+              and Plan(p.key, p.value, p.rep, p.n_queries, p.paged, form).why_not() is None]  # turbo: form 1 only
     return plans[::4] if quick else plans
 
 

@@ -36,8 +36,11 @@ def build(kind: str, ctx: int, layers: int):
             c = KVCache()
         else:
             spec = CodecSpec("full") if kind.startswith("full") else CodecSpec("affine", 4, 64)
+            vspec = None
+            if kind.startswith("turbo"):  # turbo:k4v3
+                spec, vspec = CodecSpec("turbo", 4), CodecSpec("turbo", 3)
             kernel = kind.endswith("kernel")  # forced at every context (the default serves from cuda_min_tokens)
-            c = CompressedKVCache(spec, start=0, attention=AttentionConfig(cuda_kernel=kernel, cuda_min_tokens=0))
+            c = CompressedKVCache(spec, vspec, start=0, attention=AttentionConfig(cuda_kernel=kernel, cuda_min_tokens=0))
         for lo in range(0, ctx, 8192):
             n = min(8192, ctx - lo)
             c.update_and_fetch(mx.random.normal((1, HKV, n, D)).astype(mx.bfloat16),

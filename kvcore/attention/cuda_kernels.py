@@ -10,7 +10,7 @@ from functools import cache
 
 import mlx.core as mx
 
-from . import cuda_form3, cuda_mma, cuda_stage
+from . import cuda_form3, cuda_mma, cuda_stage, cuda_turbo_mma
 from . import cuda_source as src
 from .cuda_launch import THREADS, Plan, Side
 
@@ -79,26 +79,34 @@ def _kernel(plan: Plan, fused: bool, has_sink: bool, out_dtype):
         consts = [*plan.template, ("FUSED", fused), ("HAS_SINK", has_sink), ("OT", _CTYPES[dtype_name(out_dtype)])]
         k = _KERNELS[key] = mx.fast.cuda_kernel(
             name=f"mlxkv_decode_{len(_KERNELS)}", input_names=src.INPUTS, output_names=src.OUTPUTS,
-            source=_source_constants(consts) + body(int(plan.mma)),
-            header=header(bool(plan.mma), cuda_mma.min_blocks(plan.value.dim)),
+            source=_source_constants(consts) + body(int(plan.mma), _turbo_dim(plan)),
+            header=header(bool(plan.mma), cuda_mma.min_blocks(plan.value.dim), _turbo_dim(plan) > 0),
             ensure_row_contiguous=False, shared_memory=plan.smem)
     return k
 
 
+def _turbo_dim(plan: Plan) -> int:
+    """The value dim of a turbo plan on the tensor-core body (cuda_turbo_mma.py), else 0."""
+    return plan.value.dim if plan.mma and plan.key.kind == "turbo" else 0
+
+
 @cache
-def body(mma: int) -> str:
+def body(mma: int, turbo_dim: int = 0) -> str:
     """The decode kernel's text after its constants: the tensor-core body (form 1, 2: staged, or 3: form 2's
-    keys-as-A arithmetic with form 1's loads) or the scalar one, then the merge tail."""
+    keys-as-A arithmetic with form 1's loads; form 1 over turbo rows of value dim `turbo_dim`) or the scalar
+    one, then the merge tail."""
     bodies = {0: src.SCALAR_BODY, 1: cuda_mma.BODY, 2: cuda_stage.BODY, 3: cuda_form3.BODY}
-    return src.compact(src.prologue() + bodies[int(mma)] + src.tail())
+    main = cuda_turbo_mma.body(turbo_dim) if turbo_dim else bodies[int(mma)]
+    return src.compact(src.prologue() + main + src.tail())
 
 
 @cache
-def header(mma: bool, blocks: int = cuda_mma.MIN_BLOCKS) -> str:
+def header(mma: bool, blocks: int = cuda_mma.MIN_BLOCKS, turbo: bool = False) -> str:
     """The device functions; for the tensor-core bodies, then the kernel's launch bounds (`blocks` per SM)."""
     if not mma:
         return src.compact(src.HEADER)
-    return src.compact(src.HEADER + cuda_mma.HEADER + cuda_stage.HEADER + cuda_mma.BOUNDS.format(blocks=blocks))
+    extra = cuda_turbo_mma.HEADER if turbo else ""
+    return src.compact(src.HEADER + cuda_mma.HEADER + cuda_stage.HEADER + extra + cuda_mma.BOUNDS.format(blocks=blocks))
 
 
 def _merge_kernel():

@@ -21,6 +21,7 @@ from functools import cached_property
 
 from .cuda_mma import MMA_TILE, mma_fits, mma_smem
 from .cuda_stage import Stages, stages
+from .cuda_turbo_mma import book_bytes
 
 THREADS = 128
 TILES = (128, 64, 32)  # tokens per tile (one token per thread in the score phase): the largest that fits
@@ -181,7 +182,10 @@ class Plan:
     def _layout(self, tile: int) -> dict:
         if self.mma:  # the warps' partials, then the merge's weights (scratch at 0); form 2: the rings before them
             rings = WARPS * self.stages.count * self.stages.stage if self.mma == 2 else 0
-            return {"KT": 0, "TOTAL": max(rings, mma_smem(self.qvb, self.value.dim, WARPS))}
+            total = max(rings, mma_smem(self.qvb, self.value.dim, WARPS))
+            if self.key.kind == "turbo":  # the codebooks (fp16) after the partials (cuda_turbo_mma.py)
+                return {"KT": 0, "BOOK": _align(total), "TOTAL": _align(total) + book_bytes(self.key.bits, self.value.bits)}
+            return {"KT": 0, "TOTAL": total}
         k, v = self.key, self.value
         sizes = [
             ("Q", k.dim * self.qvp * 4),
@@ -221,6 +225,8 @@ class Plan:
             return "head dims outside 32..256"
         if self.mma and not mma_fits(self.key, self.value, self.rep, self.n_queries, "float16"):
             return "the tensor-core body does not cover these sides"
+        if self.mma not in (0, 1) and self.key.kind == "turbo":
+            return "turbo rows take the tensor-core body's form 1 only"
         if self.smem > MAX_SMEM:
             return f"shared memory {self.smem} > {MAX_SMEM}"
         return None
