@@ -115,3 +115,47 @@ def test_kv_values_round_trip_through_their_label():
     for text in ("full", "affine:4/g64", "affine:4/g32", "turbo:k4v3", "turbo:4/r16", "affine:k8v4/g32/r4"):
         assert parse_kv(text).label() == text
     assert parse_kv("affine:4").label() == "affine:4/g64" and parse_kv("turbo:k4v4").label() == "turbo:4"
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_cell_index_counts_the_boundaries_below(bits):
+    """Both forms (boundary count up to COUNT_BITS, binary search above) are numpy's searchsorted,
+    boundaries themselves and their float32 neighbours included."""
+    from kvcore.codecs.turbo import cell_index
+
+    b = gaussian_codebook(bits)[1].astype(np.float32)
+    z = np.concatenate([b, np.nextafter(b, np.float32(np.inf)), np.nextafter(b, np.float32(-np.inf)),
+                        np.random.default_rng(bits).normal(0, 2, 500).astype(np.float32), [-1e30, 1e30, 0.0]])
+    z = z.astype(np.float32).reshape(1, 1, -1)
+    got = cell_index(mx.array(z), bits)
+    assert got.dtype == mx.uint8 and np.array_equal(np.array(got), np.searchsorted(b, z, side="left"))
+
+
+@pytest.mark.parametrize("bits", [3, 4, 6])
+@pytest.mark.parametrize("dim", [128, 80, 12])
+def test_encode_is_per_token_at_any_length_and_as_uncompiled(bits, dim):
+    """The compiled, shape-free encode: a run encoded whole, in pieces of other lengths, and with
+    compilation off gives the same bytes and scales."""
+    codec = make_codec(CodecSpec("turbo", bits), dim)
+    x = (mx.random.normal((1, 2, 37, dim)) * 3).astype(mx.bfloat16)
+    whole = codec.encode(x)
+    pieces = [codec.encode(x[:, :, a:b]) for a, b in ((0, 1), (1, 8), (8, 37))]
+    mx.disable_compile()
+    try:
+        plain = codec.encode(x)
+    finally:
+        mx.enable_compile()
+    for i, part in enumerate(whole):
+        assert part.shape[2] == 37
+        assert mx.array_equal(part, mx.concatenate([p[i] for p in pieces], axis=2))
+        assert mx.array_equal(part, plain[i])
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_pack_writes_the_little_endian_bit_stream(bits):
+    """Value i at bits [i*b, i*b + b) of the row's stream, independently of `unpack`."""
+    v = np.random.default_rng(bits).integers(0, 2**bits, (3, 24))
+    got = np.array(pack(mx.array(v.astype(np.uint8)), bits))
+    for row, out in zip(v, got):
+        stream = sum(int(x) << (i * bits) for i, x in enumerate(row))
+        assert out.tolist() == list(stream.to_bytes(24 * bits // 8, "little"))

@@ -81,4 +81,4 @@ def in_rotated_basis(attend, q: mx.array, view, *args):
     if rot is None:
         return attend(q, view, *args)
     out = attend(rot.forward(q).astype(q.dtype), rotate_view(view, rot), *args)
-    return rot.inverse(out).astype(q.dtype)
+    return rot.inverse(out, q.dtype)

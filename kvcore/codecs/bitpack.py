@@ -8,6 +8,8 @@ value i, byte j: offset o = i*b - 8*j   (bits of value i start at bit o of byte 
 pack:   byte_j  = sum_i ((v_i >> max(-o, 0)) << max(o, 0))   over the values that touch byte j
 unpack: v_i     = sum_j (((byte_j >> max(o, 0)) << max(-o, 0)) & (2**b - 1))
 ```
+For n a multiple of 8 (b < 8), `pack` builds the same bytes from one little-endian word per 8
+values (`sum_i v_i << i*b`, then its b bytes): a few compiled nodes, no (values x bytes) temporary.
 `lookup` unpacks and maps indices to values in one step: a table indexed by a chunk of m
 consecutive indices (m * b <= 14 bits) gives their m values with one gather per chunk.
 """
@@ -48,6 +50,8 @@ def pack(idx: mx.array, bits: int) -> mx.array:
     """idx: (..., n) integers in [0, 2**bits) -> (..., packed_bytes(n, bits)) uint8."""
     vals, nbytes = group_shape(bits)
     n = idx.shape[-1]
+    if n % 8 == 0 and bits < 8:  # 8 values fill `bits` bytes: one little-endian word per 8, then its bytes
+        return _pack_words(idx, bits)
     pad = -n % vals
     v = idx.astype(mx.uint8)
     if pad:
@@ -57,6 +61,37 @@ def pack(idx: mx.array, bits: int) -> mx.array:
     parts = mx.where(touches, (v >> right) << left, 0).astype(mx.uint8)  # (..., groups, values, bytes)
     out = parts.sum(axis=-2).astype(mx.uint8)  # disjoint bits: the sum is the OR
     return out.reshape(*out.shape[:-2], -1)
+
+
+def _word_dtype(bits: int):
+    return mx.uint32 if bits <= 4 else mx.uint64  # 8 * bits bits; 64-bit arithmetic is slow on GPUs
+
+
+@lru_cache(maxsize=None)
+def _word_shifts(bits: int) -> tuple[mx.array, mx.array]:
+    """(value shifts (8,), byte shifts (bits,)) of the words of 8 values."""
+    wide = _word_dtype(bits)
+    return mx.array(bits * np.arange(8), dtype=wide), mx.array(8 * np.arange(bits), dtype=wide)
+
+
+@lru_cache(maxsize=None)
+def _word_bytes(bits: int):
+    """Compiled (shape-free): (..., 8) values -> (..., bits) uint8 bytes of their word (sum = OR: disjoint bits)."""
+    wide = _word_dtype(bits)
+    value_shifts, byte_shifts = _word_shifts(bits)
+
+    def to_bytes(v: mx.array) -> mx.array:
+        word = (v.astype(wide) << value_shifts).sum(axis=-1, keepdims=True)
+        return ((word >> byte_shifts) & 255).astype(mx.uint8)
+
+    return mx.compile(to_bytes, shapeless=True)
+
+
+def _pack_words(idx: mx.array, bits: int) -> mx.array:
+    """`pack` for n a multiple of 8: the same bytes, with (..., n) temporaries at most."""
+    n = idx.shape[-1]
+    out = _word_bytes(bits)(idx.reshape(*idx.shape[:-1], n // 8, 8))
+    return out.reshape(*idx.shape[:-1], n // 8 * bits)
 
 
 def unpack(packed: mx.array, bits: int, n: int) -> mx.array:

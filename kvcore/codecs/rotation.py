@@ -10,7 +10,7 @@ Either way the inverse is the transpose, exact up to float32 rounding.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import mlx.core as mx
 import numpy as np
@@ -24,17 +24,31 @@ class Rotation:
 
     def forward(self, x: mx.array) -> mx.array:
         """x: (..., dim) -> R x (float32)."""
-        x = x.astype(mx.float32)
         if self.signs is not None:
-            return mx.hadamard_transform(x * self.signs)
-        return x @ self.matrix.T
+            return mx.hadamard_transform(_signed(x, self.signs))
+        return x.astype(mx.float32) @ self.matrix.T
 
-    def inverse(self, y: mx.array) -> mx.array:
-        """y: (..., dim) -> R^T y (float32)."""
+    def inverse(self, y: mx.array, dtype: mx.Dtype = mx.float32) -> mx.array:
+        """y: (..., dim) -> R^T y (float32, or rounded once to `dtype`)."""
         y = y.astype(mx.float32)
         if self.signs is not None:
-            return mx.hadamard_transform(y) * self.signs
-        return y @ self.matrix
+            return _signed_as(mx.hadamard_transform(y), self.signs, dtype)
+        return (y @ self.matrix).astype(dtype)
+
+
+@partial(mx.compile, shapeless=True)
+def _signed(x: mx.array, signs: mx.array) -> mx.array:
+    return x.astype(mx.float32) * signs  # one node for the widening and the signs (exact either way)
+
+
+@lru_cache(maxsize=None)
+def _signed_to(dtype: mx.Dtype):
+    """Compiled (shape-free): y * signs rounded once to `dtype`."""
+    return mx.compile(lambda y, signs: (y * signs).astype(dtype), shapeless=True)
+
+
+def _signed_as(y: mx.array, signs: mx.array, dtype: mx.Dtype) -> mx.array:
+    return y * signs if dtype == mx.float32 else _signed_to(dtype)(y, signs)
 
 
 def _is_power_of_two(n: int) -> bool:
