@@ -11,7 +11,6 @@ import typer
 from kvcore.backend import backend_name, versions
 from kvcore.bench import build_random_model
 from kvcore.bench.bandwidth import memory_bandwidth
-from kvcore.bench.grid import BenchConfig, run_grid
 from kvcore.errors import MlxkvError
 from kvcore.distributed import current, handshake, load_for_run, shard
 from kvcore.models import dtype_name, parse_dtype, trained_context
@@ -66,6 +65,7 @@ def bench(
     json_out: JsonOpt = False,
 ):
     """Benchmark KV schemes side by side with mlx-lm."""
+    from kvcore.bench.grid import BenchConfig, run_grid
     cfg = BenchConfig(tuple(split_kv_list(kv)), parse_ints(context, "--context"),
                       parse_ints(batch, "--batch"), gen, repeats, seed, not no_baseline,
                       baseline_factor=baseline_budget)

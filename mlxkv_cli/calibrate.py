@@ -10,7 +10,6 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvcore.calibrate import Budget, CalibrateJob, config_text, run_calibrate
 from kvcore.errors import MlxkvError
 from kvcore.store.atomic import atomic_write, check_target
 from kvcore.units import parse_bytes
@@ -79,6 +78,7 @@ def calibrate(
     offline: OfflineOpt = False,
 ):
     """Choose KV codecs and bits per layer (keys and values apart) under a budget; write a kv_config."""
+    from kvcore.calibrate import Budget, CalibrateJob, config_text, run_calibrate
     check_target(output)
     if report is not None:
         check_target(report)

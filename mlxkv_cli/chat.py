@@ -12,12 +12,8 @@ from typing import Annotated, Optional
 import typer
 
 from kvcore.adapters import apply_adapter, check_adapter_folder
-from kvcore.chat_session import ChatSession
-from kvcore.engine import SamplingConfig
 from kvcore.errors import MlxkvError
 from kvcore.models import dtype_name, load_model
-from kvcore.policy import KVOptions, resolve_policy
-from kvcore.jobs.generate import check_row_fits
 from kvcore.units import format_bytes
 
 from . import output
@@ -57,6 +53,10 @@ def chat(
     offline: OfflineOpt = False,
 ):
     """Chat in the terminal; the KV cache persists across turns (only each new turn is prefilled)."""
+    from kvcore.chat_session import ChatSession
+    from kvcore.policy import KVOptions, resolve_policy
+    from kvcore.engine import SamplingConfig
+    from kvcore.jobs.generate import check_row_fits
     sampling = SamplingConfig(temp, top_p, min_p, seed, top_k, repetition_penalty)
     if prefill_chunk < 1:
         raise MlxkvError(f"--prefill-chunk must be >= 1, got {prefill_chunk}")

@@ -8,8 +8,6 @@ from typing import Annotated
 import typer
 
 from kvcore.errors import MlxkvError
-from kvcore.policy import KVOptions, resolve_policy
-from kvcore.store import convert_cache_file
 from kvcore.units import format_bytes
 
 from . import output
@@ -26,6 +24,8 @@ def convert_kv(
     full: Annotated[bool, typer.Option("--full", help="Decode to full precision (it cannot restore lost information).")] = False,
 ):
     """Re-encode a KV cache file: full precision, a --kv scheme, affine bits, or per layer (kv_config)."""
+    from kvcore.policy import KVOptions, resolve_policy
+    from kvcore.store import convert_cache_file
     if full == (kv_bits is not None or kv_config is not None or kv is not None):
         raise MlxkvError("convert-kv needs exactly one target: --kv, --kv-bits, --kv-config or --full")
     policy = resolve_policy(KVOptions(kv_bits, kv_group_size, None, str(kv_config) if kv_config else None, kv=kv))

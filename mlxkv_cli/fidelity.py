@@ -11,8 +11,6 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from kvcore.bench.grid import scheme_policy
-from kvcore.fidelity.run import FidelityJob, run_fidelity
 from kvcore.model_shape import check_layers
 from kvcore.models import read_config
 from kvcore.policy.kv_spec import split_kv_list
@@ -79,6 +77,7 @@ def fidelity(
     offline: OfflineOpt = False,
 ):
     """Measure KV schemes against full precision: KL, top-1 agreement, perplexity, bits per element."""
+    from kvcore.fidelity.run import FidelityJob, run_fidelity
     if output is not None:
         check_target(output)
     fetch_model(model, offline)
@@ -98,6 +97,7 @@ def fidelity(
 def check_config_schemes(kv: str, model: str | None) -> None:
     """config:FILE schemes against the model's layers before anything runs (a layer the model
     lacks was an error in that scheme's table cell, and the command exited 0)."""
+    from kvcore.bench.grid import scheme_policy
     configs = [s for s in split_kv_list(kv) if s.startswith("config:")]
     config = read_config(model) if configs else None  # None for a GGUF: its load checks the layers
     for s in configs if config else ():

@@ -10,8 +10,6 @@ import typer
 from rich.table import Table
 
 from kvcore.bench import SHAPES, shape_names
-from kvcore.bench.fit import fit_table
-from kvcore.bench.grid import scheme_policy
 from kvcore.bench.shapes import shape_weight_bytes
 from kvcore.errors import MlxkvError
 from kvcore.model_shape import SIZES, check_layers, model_shape
@@ -41,6 +39,8 @@ def fit(
     json_out: JsonOpt = False,
 ):
     """Largest context per batch and largest batch per context, per KV scheme (no weights loaded)."""
+    from kvcore.bench.fit import fit_table
+    from kvcore.bench.grid import scheme_policy
     budget = read_budget(memory)
     policies = {s: scheme_policy(s) for s in split_kv_list(kv)}
     if kv_config:

@@ -9,14 +9,8 @@ import typer
 
 from kvcore.adapters import check_adapter_folder
 from kvcore.codecs import BITS
-from kvcore.engine import SamplingConfig
-from kvcore.engine.constrain import ConstraintSpec
 from kvcore.errors import MlxkvError
 from kvcore.models import dtype_name
-from kvcore.policy import KVOptions, resolve_policy
-from kvcore.jobs.generate import BatchOptions, GenerateJob, run_generate
-from kvcore.jobs.batch import run_batch
-from kvcore.store.mlx_lm_load import is_mlx_lm_cache
 from kvcore.units import parse_bytes
 
 from . import output
@@ -76,6 +70,11 @@ def generate(
     verbose: VerboseOpt = False,
 ):
     """Generate text with a compressed KV cache."""
+    from kvcore.jobs.generate import BatchOptions, GenerateJob, run_generate
+    from kvcore.policy import KVOptions, resolve_policy
+    from kvcore.engine import SamplingConfig
+    from kvcore.store.mlx_lm_load import is_mlx_lm_cache
+    from kvcore.jobs.batch import run_batch
     dtype = dtype_name(dtype)  # fp16 reads as float16, as --kv spells it
     if logprobs is not None and not json_out:
         raise MlxkvError("--logprobs needs --json (the log-probabilities go in the JSON completions)")
@@ -133,6 +132,7 @@ def generate(
 
 
 def constraint_flag(json_schema: str | None, regex: str | None, grammar: Path | None) -> ConstraintSpec | None:
+    from kvcore.engine.constrain import ConstraintSpec
     given = [(k, v) for k, v in (("json_schema", json_schema), ("regex", regex), ("grammar", grammar)) if v is not None]
     if len(given) > 1:
         raise MlxkvError("give one constraint: --json-schema, --regex or --grammar")

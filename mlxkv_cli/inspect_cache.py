@@ -11,7 +11,6 @@ from rich.console import Console
 from rich.table import Table
 
 from kvcore.models import load_model
-from kvcore.store import inspect_cache as inspect_report
 from kvcore.units import format_bytes
 
 from .hub import fetch_model
@@ -63,6 +62,7 @@ def inspect_cache(
     offline: OfflineOpt = False,
 ):
     """Show what a KV cache file holds: per layer kind, codec, tokens, bytes; totals; fingerprint."""
+    from kvcore.store import inspect_cache as inspect_report
     fetch_model(model, offline)
     lm = load_model(model) if model else None
     report = inspect_report(file, lm)

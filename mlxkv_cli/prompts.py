@@ -5,7 +5,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from kvcore.engine.prompts_file import PromptSpec, load_prompts_file
 from kvcore.errors import MlxkvError
 
 
@@ -44,6 +43,7 @@ def read_prompts(argument: str | None, prompts: list[str] | None, prompt_file: P
                  prompts_file: Path | None, continuation: bool = False) -> list[PromptSpec]:
     """The prompts, each non-empty; `continuation` (-p text after a loaded cache) may be empty: the
     run then continues the cached tokens."""
+    from kvcore.engine.prompts_file import PromptSpec, load_prompts_file
     given = [x for x in (argument, prompts or None, prompt_file, prompts_file) if x is not None]
     if len(given) > 1:
         raise MlxkvError("give the prompt once: as an argument, with -p, --prompt-file or --prompts-file")

@@ -8,7 +8,6 @@ import typer
 from typer.core import TyperCommand
 
 from kvcore.models import dtype_name
-from kvcore.policy import KVOptions, resolve_policy
 from kvcore.units import format_bytes, parse_bytes
 
 from .hub import fetch_model
@@ -51,6 +50,7 @@ def serve(
     offline: OfflineOpt = False,
 ):
     """Serve the model over an OpenAI-compatible HTTP API (needs the serve extra)."""
+    from kvcore.policy import KVOptions, resolve_policy
     from kvcore.serve import ServeConfig, require_extra
     from kvcore.serve import serve as run_server
     from kvcore.serve.config import lora_module

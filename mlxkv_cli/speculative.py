@@ -6,21 +6,20 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvcore.jobs.generate import GenerateJob
-from kvcore.jobs.batch import BatchOptions
-from kvcore.jobs.speculative import run_speculative
-from kvcore.speculative import SpecOptions, draft_names
 
 from . import output
 
 DraftModelOpt = Annotated[Optional[str], typer.Option(help="Speculative decoding with this draft model (same tokenizer as the target): a folder, .gguf or cached repo id.")]
-DraftOpt = Annotated[Optional[str], typer.Option(help=f"Draft provider: {', '.join(draft_names())} (prompt-lookup needs no second model).")]
+DRAFTS = ("model", "prompt-lookup")  # kvcore.speculative.draft_names(), written out: --help imports no engine
+DraftOpt = Annotated[Optional[str], typer.Option(help=f"Draft provider: {', '.join(DRAFTS)} (prompt-lookup needs no second model).")]
 NumDraftOpt = Annotated[int, typer.Option(help="Draft tokens proposed per row and round.")]
 DraftKvBitsOpt = Annotated[Optional[int], typer.Option(help="KV bits of the draft model's cache (0 = full precision; default: the target's KV settings).")]
 
 
 def speculative(job: GenerateJob, specs: list, opts: BatchOptions, draft: str | None, draft_model: str | None,
                 num_draft_tokens: int, draft_kv_bits: int | None, json_out: bool, verbose: bool) -> None:
+    from kvcore.speculative import SpecOptions
+    from kvcore.jobs.speculative import run_speculative
     spec = SpecOptions(draft or "model", draft_model, num_draft_tokens, draft_kv_bits)
     single = len(specs) == 1
     if json_out:

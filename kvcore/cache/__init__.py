@@ -1,3 +1,4 @@
+from .. import attention  # noqa: F401  (first: its modules import this package's, which import kvcore.attention)
 from .batch import BatchCompressedKVCache
 from .compressed import CompressedKVCache
 from .view import BatchKVView, KVView, Segment

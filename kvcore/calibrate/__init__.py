@@ -6,10 +6,9 @@ checks through the real caches confirm (`check.py`), and the choice is written a
 kv_config (`config_file.py`).
 """
 
-from .budget import Budget
-from .candidates import CandidateSet, LayerOption, parse_candidates
-from .config_file import config_entries, config_policy, config_text
-from .run import CalibrateJob, Calibration, run_calibrate
-
 __all__ = ["Budget", "CalibrateJob", "Calibration", "CandidateSet", "LayerOption", "config_entries", "config_policy",
            "config_text", "parse_candidates", "run_calibrate"]
+
+from ..lazy import exports  # noqa: E402
+
+__getattr__ = exports(__name__, {"Budget": "budget", "CandidateSet": "candidates", "LayerOption": "candidates", "parse_candidates": "candidates", "config_entries": "config_file", "config_policy": "config_file", "config_text": "config_file", "CalibrateJob": "run", "Calibration": "run", "run_calibrate": "run"})

@@ -1,7 +1,7 @@
-from .kv_config import load_kv_config, parse_kv_config
-from .options import KVOptions, resolve_policy
-from .plan import KVPolicy, LayerPlan, build_caches, plan_layers
-from .profile import load_profile, profile_names
 
 __all__ = ["KVOptions", "KVPolicy", "LayerPlan", "build_caches", "plan_layers", "resolve_policy",
            "load_kv_config", "parse_kv_config", "load_profile", "profile_names"]
+
+from ..lazy import exports  # noqa: E402
+
+__getattr__ = exports(__name__, {"load_kv_config": "kv_config", "parse_kv_config": "kv_config", "KVOptions": "options", "resolve_policy": "options", "KVPolicy": "plan", "LayerPlan": "plan", "build_caches": "plan", "plan_layers": "plan", "load_profile": "profile", "profile_names": "profile"})
