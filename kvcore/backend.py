@@ -6,6 +6,8 @@ from functools import lru_cache
 
 import mlx.core as mx
 
+from .errors import first_line
+
 
 def backend_name() -> str:
     """'cpu' | 'cuda' | 'metal': where arrays run by default (asked on every call: tests move it)."""
@@ -31,7 +33,7 @@ def versions() -> dict:
 
 def failure(e: Exception) -> str:
     """An exception as one line of a verdict: its type and the first 200 characters of its message."""
-    return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    return f"{type(e).__name__}: {first_line(e)}" if str(e).strip() else type(e).__name__
 
 
 class Verdicts(dict):

@@ -18,6 +18,8 @@ import time
 
 import mlx.core as mx
 
+from ..backend import failure
+
 
 class _TooSlow(Exception):
     def __init__(self, estimate: float):
@@ -69,7 +71,7 @@ def bounded_mlx_lm_warmup(model, kv_bits: int | None, group: int, prompt: list[i
     except _TooSlow as e:
         return {"skipped": "time", "estimate_s": round(e.estimate, 3)}
     except Exception as e:  # the baseline's failure is a result, as measure_mlx_lm reports it
-        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+        return {"error": failure(e)}
     finally:
         steps.close()
         mx.clear_cache()

@@ -14,6 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from ..backend import failure
 from ..engine import GenerateConfig, Request
 from ..engine import Engine
 from ..policy import KVPolicy
@@ -97,7 +98,7 @@ def measure_mlx_lm(model, kv_bits: int | None, group: int, prompts: list[list[in
         mx.synchronize()
         t2 = time.perf_counter()
     except Exception as e:  # the baseline's failure is a result: shown, never hidden
-        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+        return {"error": failure(e)}
     return {"prefill_tps": sum(len(p) for p in prompts) / (t1 - t0), "ttft_s": t1 - t0,
             "decode_tps": n / (t2 - t1), "decode_tps_per_row": n / len(prompts) / (t2 - t1),
             "peak_memory_gb": mx.get_peak_memory() / 1e9, "tokens": tokens}
