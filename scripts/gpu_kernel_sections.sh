@@ -5,6 +5,8 @@
 #   source /var/tmp/mlxw/gpu-env.sh && OUT=/some/folder [CONTEXTS="32768 131072"] [VARIANT=MLXKV_CUDA_MMA=1] \
 #     bash scripts/gpu_kernel_sections.sh
 # Writes $OUT/sections-CTX-details.csv and $OUT/sections-CTX-sass.csv (each instruction with its samples).
+# CACHE=none keeps the caches warm between ncu's replays, as a real step finds the queries (just written) in L2;
+# the default (all: flushed) read 20% of form 1's samples at 32k as waits on the queries' loads (run 10).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the folder for the results}"
@@ -15,7 +17,8 @@ sections=(--section SpeedOfLight --section MemoryWorkloadAnalysis --section Memo
           --section SourceCounters --section InstructionStats)
 for ctx in ${CONTEXTS:-32768 131072}; do
   rep="/tmp/sections-$ctx"
-  env ${VARIANT:-MLXKV_CUDA_MMA=1} timeout 120 $NCU --clock-control none "${sections[@]}" -k regex:mlxkv_decode \
+  env ${VARIANT:-MLXKV_CUDA_MMA=1} timeout 120 $NCU --clock-control none --cache-control "${CACHE:-all}" "${sections[@]}" \
+    -k regex:mlxkv_decode \
     --launch-skip 2 --launch-count 1 -f -o "$rep" \
     python3 scripts/gpu_ncu_step.py --kind "${KIND:-affine4-kernel}" --context "$ctx" --layers 2 --steps 3 \
     > "$OUT/sections-$ctx.log" 2>&1

@@ -10,7 +10,8 @@
 # 2. scripts/gpu_kernel_ab.sh at 512, 32k and 128k (about 19 s a case, 12 cases): form 1 as shipped, forms 1 and 3
 #    with the release arrival, and form 1 with it and at least 16 tiles a split (MLXKV_CUDA_SPLIT_TILES: 264
 #    target blocks won at 32k and lost at 128k in run 10);
-# 3. ncu's source counters of the release arrival at 32k (scripts/gpu_kernel_sections.sh): where the stalls went;
+# 3. ncu's source counters of the release arrival at 32k, caches warm (scripts/gpu_kernel_sections.sh CACHE=none):
+#    where the stalls went;
 # 4. scripts/gpu_bench.py at 32k (mlx-lm bf16 in the same run) in the variant with the smallest summed
 #    minimum of step 2, within a 60 s budget; the whole bench (512 to 128k) is a call of its own.
 set -uo pipefail
@@ -26,7 +27,7 @@ step e2e-release 45 env MLXKV_CUDA_ARRIVE=release python3 scripts/gpu_kernel_e2e
 step ab 245 env OUT="$RES" CONTEXTS="512 32768 131072" VARIANTS="MLXKV_CUDA_MMA=1 \
 MLXKV_CUDA_MMA=1,MLXKV_CUDA_ARRIVE=release MLXKV_CUDA_MMA=1,MLXKV_CUDA_ARRIVE=release,MLXKV_CUDA_SPLIT_TILES=16 \
 MLXKV_CUDA_MMA=3,MLXKV_CUDA_ARRIVE=release" bash scripts/gpu_kernel_ab.sh
-step sections 45 env OUT="$RES" CONTEXTS=32768 VARIANT=MLXKV_CUDA_ARRIVE=release bash scripts/gpu_kernel_sections.sh
+step sections 45 env OUT="$RES" CONTEXTS=32768 CACHE=none VARIANT=MLXKV_CUDA_ARRIVE=release bash scripts/gpu_kernel_sections.sh
 best=$(python3 - "$RES/ab.log" <<'PY'
 import re, sys
 mins = {}
