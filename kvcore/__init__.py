@@ -15,17 +15,10 @@ __version__ = "0.1.0"
 from .errors import MlxkvError
 
 __all__ = ["KVOptions", "KVPolicy", "MlxkvError", "attention_context", "build_caches", "resolve_policy", "__version__"]
-_LAZY = {"attention_context": "attention", "KVOptions": "policy", "KVPolicy": "policy", "build_caches": "policy",
-         "resolve_policy": "policy"}
 
+from .lazy import exports  # noqa: E402
 
-def __getattr__(name: str):
-    """The public names that pull in mlx-lm (and with it transformers) are imported on first use, so importing
-    a light submodule (kvcore.errors, kvcore.units: what the command line's help needs) stays light."""
-    if name in _LAZY:
-        import importlib
-
-        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# the names that pull in mlx-lm (and with it transformers) are imported on first use, so importing a light
+# submodule (kvcore.errors, kvcore.units: what the command line's help needs) stays light
+__getattr__ = exports(__name__, {"attention_context": "attention", "KVOptions": "policy", "KVPolicy": "policy",
+                                 "build_caches": "policy", "resolve_policy": "policy"})
