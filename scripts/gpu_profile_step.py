@@ -35,7 +35,8 @@ def build(kind: str, ctx: int, layers: int):
         if kind.startswith("mlx-lm"):
             c = KVCache()
         else:
-            spec = CodecSpec("full") if kind.startswith("full") else CodecSpec("affine", 4, 64)
+            bits = int(kind[6]) if kind.startswith("affine") and kind[6:7].isdigit() else 4  # affine3-kernel: 3 bits
+            spec = CodecSpec("full") if kind.startswith("full") else CodecSpec("affine", bits, 64)
             vspec = None
             if kind.startswith("turbo"):  # turbo:k4v3
                 spec, vspec = CodecSpec("turbo", 4), CodecSpec("turbo", 3)

@@ -139,10 +139,10 @@ def test_turbo_plans_hold_their_books_and_build_their_own_text():
     lay = plan.layout
     assert lay["BOOK"] % 16 == 0 and lay["TOTAL"] == lay["BOOK"] + 2 * (16 + 8)
     assert lay["BOOK"] >= cuda_mma.mma_smem(plan.qvb, 128, 4)  # after the warps' partials
-    text = cuda_kernels.body(1, 128)
+    text = cuda_kernels.body(1, "turbo", 128, 128)
     assert "lut2(kbook" in text and "chunk_code<VB, 15>" in text and "deq2" not in text
     assert text != cuda_kernels.body(1) and "lut2" not in cuda_kernels.body(1)
-    assert "lut2" in cuda_kernels.header(True, 4, True) and "lut2" not in cuda_kernels.header(True, 4)
+    assert "lut2" in cuda_kernels.header(True, 4, "turbo") and "lut2" not in cuda_kernels.header(True, 4)
 
 
 def test_turbo_plans_in_other_forms_are_refused_by_name(monkeypatch):

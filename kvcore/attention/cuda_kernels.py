@@ -10,7 +10,7 @@ from functools import cache
 
 import mlx.core as mx
 
-from . import cuda_form3, cuda_mma, cuda_stage, cuda_turbo_mma
+from . import cuda_chunk_mma, cuda_form3, cuda_mma, cuda_stage, cuda_turbo_mma
 from . import cuda_source as src
 from .cuda_launch import THREADS, Plan, Side
 
@@ -79,33 +79,43 @@ def _kernel(plan: Plan, fused: bool, has_sink: bool, out_dtype):
         consts = [*plan.template, ("FUSED", fused), ("HAS_SINK", has_sink), ("OT", _CTYPES[dtype_name(out_dtype)])]
         k = _KERNELS[key] = mx.fast.cuda_kernel(
             name=f"mlxkv_decode_{len(_KERNELS)}", input_names=src.INPUTS, output_names=src.OUTPUTS,
-            source=_source_constants(consts) + body(int(plan.mma), _turbo_dim(plan)),
-            header=header(bool(plan.mma), cuda_mma.min_blocks(plan.value.dim), _turbo_dim(plan) > 0),
+            source=_source_constants(consts) + body(int(plan.mma), *_special(plan)),
+            header=header(bool(plan.mma), cuda_mma.min_blocks(plan.value.dim), _special(plan)[0]),
             ensure_row_contiguous=False, shared_memory=plan.smem)
     return k
 
 
-def _turbo_dim(plan: Plan) -> int:
-    """The value dim of a turbo plan on the tensor-core body (cuda_turbo_mma.py), else 0."""
-    return plan.value.dim if plan.mma and plan.key.kind == "turbo" else 0
+def _special(plan: Plan) -> tuple[str, int, int]:
+    """(kind, key dim, value dim) of a tensor-core plan with its own form-1 text: "turbo" (cuda_turbo_mma.py),
+    "chunk" (affine codes that do not pair within half-words, cuda_chunk_mma.py), else ("", 0, 0)."""
+    if plan.mma and plan.key.kind == "turbo":
+        return "turbo", plan.key.dim, plan.value.dim
+    if plan.mma and plan.key.kind == "affine" and not cuda_mma.word_fits(plan.key, plan.value):
+        return "chunk", plan.key.dim, plan.value.dim
+    return "", 0, 0
 
 
 @cache
-def body(mma: int, turbo_dim: int = 0) -> str:
+def body(mma: int, special: str = "", key_dim: int = 0, value_dim: int = 0) -> str:
     """The decode kernel's text after its constants: the tensor-core body (form 1, 2: staged, or 3: form 2's
-    keys-as-A arithmetic with form 1's loads; form 1 over turbo rows of value dim `turbo_dim`) or the scalar
-    one, then the merge tail."""
+    keys-as-A arithmetic with form 1's loads; form 1 over turbo rows or affine code chunks, `special`) or the
+    scalar one, then the merge tail."""
     bodies = {0: src.SCALAR_BODY, 1: cuda_mma.BODY, 2: cuda_stage.BODY, 3: cuda_form3.BODY}
-    main = cuda_turbo_mma.body(turbo_dim) if turbo_dim else bodies[int(mma)]
+    if special == "turbo":
+        main = cuda_turbo_mma.body(value_dim)
+    elif special == "chunk":
+        main = cuda_chunk_mma.body(key_dim, value_dim)
+    else:
+        main = bodies[int(mma)]
     return src.compact(src.prologue() + main + src.tail())
 
 
 @cache
-def header(mma: bool, blocks: int = cuda_mma.MIN_BLOCKS, turbo: bool = False) -> str:
+def header(mma: bool, blocks: int = cuda_mma.MIN_BLOCKS, special: str = "") -> str:
     """The device functions; for the tensor-core bodies, then the kernel's launch bounds (`blocks` per SM)."""
     if not mma:
         return src.compact(src.HEADER)
-    extra = cuda_turbo_mma.HEADER if turbo else ""
+    extra = {"turbo": cuda_turbo_mma.HEADER, "chunk": cuda_turbo_mma.HEADER + cuda_chunk_mma.HEADER}.get(special, "")
     return src.compact(src.HEADER + cuda_mma.HEADER + cuda_stage.HEADER + extra + cuda_mma.BOUNDS.format(blocks=blocks))
 
 

@@ -53,6 +53,15 @@ def mma_fits(key, value, rep: int, n_queries: int, q_dtype: str) -> bool:
         return variant() == 1 and cuda_turbo_mma.enabled() and rep * n_queries <= 8 and cuda_turbo_mma.turbo_fits(key, value)
     if key.kind != "affine" or value.kind != "affine" or rep * n_queries > 8:
         return False
+    if word_fits(key, value):
+        return True
+    from . import cuda_chunk_mma  # codes that do not pair within half-words: opt-in (cuda_chunk_mma.py)
+
+    return variant() == 1 and cuda_chunk_mma.enabled() and cuda_chunk_mma.chunk_fits(key, value)
+
+
+def word_fits(key, value) -> bool:
+    """Whether form 1's word arrangement covers these affine sides: codes pair within 16-bit halves."""
     if key.bits not in MMA_BITS or value.bits not in MMA_BITS or key.dim % 64 or value.dim % 64:
         return False
     k_per_lane, v_per_lane = key.dim // 4, value.dim // 8  # dims one lane dequantizes per token
