@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from test_cuda_mma import LANES, _deq2
-from test_cuda_turbo_mma import _chunk_code
+from test_cuda_turbo_mma import _chunk_code, p_fragment, value_mma
 
 from kvcore.attention import cuda_kernels, cuda_mma
 from kvcore.attention.cuda_check import check_plan
@@ -64,31 +64,14 @@ def emulate_scores(q, kr, ks, kz, bits: int, group: int, slip: int = 0) -> np.nd
 
 def emulate_values(p, vr, vs, vz, bits: int, group: int, dv: int) -> np.ndarray:
     NMB, VPL = dv // 16, dv // 8
-    B = np.zeros((16, 8), np.float32)
-    for g, c in LANES:
-        if g < p.shape[0]:
-            for t in (2 * c, 2 * c + 1, 2 * c + 8, 2 * c + 9):
-                B[t, g] = np.float16(p[g, t])
-    out = np.zeros((8, dv), np.float32)
-    for m in range(NMB):
-        A = np.zeros((16, 16), np.float32)
-        for g, c in LANES:
-            toks = [2 * c, 2 * c + 1, 2 * c + 8, 2 * c + 9]
-            chunks = [_chunk(vr[t], g, VPL, bits) for t in toks]
-            grp = VPL * g // group
-            for r in range(4):
-                e, ka, kb = (r & 1) * NMB + m, 2 * (r >> 1), 2 * (r >> 1) + 1
-                ta, tb = toks[ka], toks[kb]
-                val = _deq2((_chunk_code(chunks[ka], e, bits), _chunk_code(chunks[kb], e, bits)),
-                            (vs[ta, grp], vs[tb, grp]), (vz[ta, grp], vz[tb, grp]))
-                row, col = g + 8 * (r & 1), 2 * c + 8 * (r >> 1)
-                A[row, col : col + 2] = val
-        acc = A @ B
-        for g, c in LANES:
-            for z in range(4):
-                v, row = 2 * c + (z & 1), g + 8 * (z >> 1)
-                out[v, VPL * (row & 7) + (row >> 3) * NMB + m] = acc[row, v]
-    return out
+
+    def pair(m, g, c, r):
+        e, grp = (r & 1) * NMB + m, VPL * g // group
+        ta, tb = 2 * c + 8 * (r >> 1), 2 * c + 8 * (r >> 1) + 1
+        codes = [_chunk_code(_chunk(vr[t], g, VPL, bits), e, bits) for t in (ta, tb)]
+        return _deq2(codes, (vs[ta, grp], vs[tb, grp]), (vz[ta, grp], vz[tb, grp]))
+
+    return value_mma(p_fragment(p), pair, dv)
 
 
 @pytest.mark.parametrize("kbits, kg, vbits, vg, dim", [(3, 64, 3, 64, 128), (5, 32, 5, 32, 128), (6, 64, 6, 64, 64),

@@ -76,31 +76,46 @@ def emulate_turbo_scores(q, kp, kn, book, bits: int) -> np.ndarray:
     return S
 
 
-def emulate_turbo_values(p, vp, vn, book, bits: int, dv: int, shift_element: int = 0) -> np.ndarray:
-    """O (query vectors, DV): P^T's fragment with each token's norm folded in, the lanes' code chunks looked up."""
-    NMB, VPL = dv // 16, dv // 8
+def p_fragment(p, norms=None) -> np.ndarray:
+    """P^T's B fragment (16 tokens x 8 query vectors): lane (g, c)'s pb0 / pb1 hold tokens 2c, 2c + 1 and
+    2c + 8, 2c + 9 of query vector g, each times its token's norm where `norms` are given (fp16)."""
     B = np.zeros((16, 8), np.float32)
     for g, c in LANES:
         if g < p.shape[0]:
-            for t in (2 * c, 2 * c + 1, 2 * c + 8, 2 * c + 9):  # pb0, pb1: tokens 2c, 2c + 1, then 2c + 8, 2c + 9
-                B[t, g] = np.float16(p[g, t] * vn[t])
+            for t in (2 * c, 2 * c + 1, 2 * c + 8, 2 * c + 9):
+                B[t, g] = np.float16(p[g, t] * (1.0 if norms is None else norms[t]))
+    return B
+
+
+def value_mma(B: np.ndarray, pair, dv: int) -> np.ndarray:
+    """O (query vectors, DV): the value mma of every m-block, A's registers from pair(m, g, c, r) (the two values
+    at row g + 8 (r & 1), columns 2c + 8 (r >> 1) ..), read back through the body's write-back formula."""
+    NMB, VPL = dv // 16, dv // 8
     out = np.zeros((8, dv), np.float32)
     for m in range(NMB):
         A = np.zeros((16, 16), np.float32)
         for g, c in LANES:
-            toks = [2 * c, 2 * c + 1, 2 * c + 8, 2 * c + 9]
-            chunks = [_lane_chunk(vp[t], g, VPL, bits) for t in toks]
             for r in range(4):
-                e = (r & 1) * NMB + m + shift_element
-                ka, kb = 2 * (r >> 1), 2 * (r >> 1) + 1
-                row, col = g + 8 * (r & 1), 2 * c + 8 * (r >> 1)
-                A[row, col : col + 2] = book[[_chunk_code(chunks[ka], e % VPL, bits), _chunk_code(chunks[kb], e % VPL, bits)]]
+                col = 2 * c + 8 * (r >> 1)
+                A[g + 8 * (r & 1), col : col + 2] = pair(m, g, c, r)
         acc = A @ B
         for g, c in LANES:
             for z in range(4):
                 v, row = 2 * c + (z & 1), g + 8 * (z >> 1)
                 out[v, VPL * (row & 7) + (row >> 3) * NMB + m] = acc[row, v]
     return out
+
+
+def emulate_turbo_values(p, vp, vn, book, bits: int, dv: int, shift_element: int = 0) -> np.ndarray:
+    """O (query vectors, DV): P^T's fragment with each token's norm folded in, the lanes' code chunks looked up."""
+    NMB, VPL = dv // 16, dv // 8
+
+    def pair(m, g, c, r):
+        e = ((r & 1) * NMB + m + shift_element) % VPL
+        ta, tb = 2 * c + 8 * (r >> 1), 2 * c + 8 * (r >> 1) + 1
+        return book[[_chunk_code(_lane_chunk(vp[t], g, VPL, bits), e, bits) for t in (ta, tb)]]
+
+    return value_mma(p_fragment(p, vn), pair, dv)
 
 
 @pytest.mark.parametrize("kbits, vbits, dim", [(4, 3, 128), (4, 4, 128), (8, 3, 256), (2, 2, 64), (4, 8, 64)])

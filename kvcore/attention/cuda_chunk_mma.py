@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import os
 
-from .cuda_mma import LOOP, MERGE, PRELUDE, VALUE_LOADS, VALUES, paged_loop
+from .cuda_mma import (KEY_LOAD, KEY_MMA, LOOP, MERGE, PRELUDE, VALUE_DECL, VALUE_LOADS, VALUE_PAIRS, VALUE_WORDS, VALUES,
+                       paged_loop)
 
 CHUNK_BITS = (2, 3, 4, 5, 6, 8)
 
@@ -80,28 +81,12 @@ QUERIES = r"""
   }
 """
 
-_WORD_KEY_LOAD = r"""      uint32_t w[WTK];
-      load_words<WTK>(w, row_base(kw, 4, kw_strides.data(), pb, h) + tp * ktb + 4 * WTK * c, kvec);
-"""
 _CHUNK_KEY_LOAD = r"""      uint32_t w[KLW];
       lane_chunk<KLB>(w, row_base(kw, 4, kw_strides.data(), pb, h) + tp * ktb + KLB * c);
 """
-_WORD_KEY_MMA = r"""        const int j = i / (PPK / 2), e = i % (PPK / 2), u = NGT > 1 ? (j * EPK) / KG : 0;
-        const uint32_t b0 = deq2((w[j] >> (KB * 2 * e)) & KM2, s2[u], z2[u]);
-        const uint32_t b1 = deq2((w[j] >> (KB * (2 * e + 1))) & KM2, s2[u], z2[u]);
+_CHUNK_VALUE_DECL = r"""    uint32_t vwd[4][VLW];
 """
-_WORD_VALUE_LOAD = r"""    uint32_t vwd[4][WTV];"""
-_CHUNK_VALUE_LOAD = r"""    uint32_t vwd[4][VLW];"""
-_WORD_VALUE_WORDS = r"""      load_words<WTV>(vwd[k], row_base(vw, 4, vw_strides.data(), pb, h + VH) + tp * vtb + 4 * WTV * g, vvec);"""
-_CHUNK_VALUE_WORDS = r"""      lane_chunk<VLB>(vwd[k], row_base(vw, 4, vw_strides.data(), pb, h + VH) + tp * vtb + VLB * g);"""
-_WORD_VALUE_PAIRS = r"""#pragma unroll
-        for (int r = 0; r < 4; r++) {  // a0a1: (row g, tokens 2c..), a2a3: (row g + 8), a4a5 / a6a7: tokens 2c + 8..
-          const int qq = (r & 1) * NMB + m, jw = qq / EPV, e = qq % EPV;
-          const uint32_t* wa = vwd[(r >> 1) * 2];
-          const uint32_t* wb = vwd[(r >> 1) * 2 + 1];
-          const uint32_t x = __byte_perm(wa[jw], wb[jw], e < PPV ? 0x5410 : 0x7632);
-          a[r] = deq2((x >> (VB * (e % PPV))) & VM2, r >> 1 ? sB : sA, r >> 1 ? zB : zA);
-        }
+_CHUNK_VALUE_WORDS = r"""      lane_chunk<VLB>(vwd[k], row_base(vw, 4, vw_strides.data(), pb, h + VH) + tp * vtb + VLB * g);
 """
 
 
@@ -131,14 +116,14 @@ def _value_pairs(nmb: int) -> str:
 
 def body(key_dim: int, value_dim: int) -> str:
     loop, values, loads = paged_loop(LOOP), VALUES, VALUE_LOADS
-    for old, new in ((_WORD_KEY_LOAD, _CHUNK_KEY_LOAD), (_WORD_KEY_MMA, _key_pairs(key_dim // 16))):
+    for old, new in ((KEY_LOAD, _CHUNK_KEY_LOAD), (KEY_MMA, _key_pairs(key_dim // 16))):
         assert loop.count(old) == 1, old[:60]
         loop = loop.replace(old, new)
-    for old, new in ((_WORD_VALUE_LOAD, _CHUNK_VALUE_LOAD), (_WORD_VALUE_WORDS, _CHUNK_VALUE_WORDS)):
+    for old, new in ((VALUE_DECL, _CHUNK_VALUE_DECL), (VALUE_WORDS, _CHUNK_VALUE_WORDS)):
         assert loads.count(old) == 1, old[:60]
         loads = loads.replace(old, new)
-    assert values.count(_WORD_VALUE_PAIRS) == 1
-    values = values.replace(_WORD_VALUE_PAIRS, _value_pairs(value_dim // 16))
+    assert values.count(VALUE_PAIRS) == 1
+    values = values.replace(VALUE_PAIRS, _value_pairs(value_dim // 16))
     for old, new in ((VALUE_LOADS, loads), (VALUES, values)):
         assert loop.count(old) == 1
         loop = loop.replace(old, new)

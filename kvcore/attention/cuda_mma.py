@@ -181,6 +181,40 @@ QUERIES = r"""
   }
 """
 
+# the pieces of form 1's loop that read and dequantize words (the turbo and code-chunk bodies swap them out:
+# cuda_turbo_mma.py, cuda_chunk_mma.py): this lane's key words of token g, their groups' scales and biases,
+# k-block i's two B registers, its value words of one token and the A fragment's registers of m-block m
+KEY_LOAD = r"""      uint32_t w[WTK];
+      load_words<WTK>(w, row_base(kw, 4, kw_strides.data(), pb, h) + tp * ktb + 4 * WTK * c, kvec);
+"""
+KEY_SCALES = r"""      const long long mo = pb * ks_strides[0] + h * ks_strides[1] + (long long)tp * ks_strides[2];
+      const long long zo = pb * kb_strides[0] + h * kb_strides[1] + (long long)tp * kb_strides[2];
+      __half2 s2[NGT], z2[NGT];
+#pragma unroll
+      for (int u = 0; u < NGT; u++) {
+        const int grp = (KPL * c + u * KG) / KG;
+        s2[u] = __half2half2(ks[mo + grp * ks_strides[3]]);
+        z2[u] = __half2half2(kb[zo + grp * kb_strides[3]]);
+      }
+"""
+KEY_MMA = r"""        const int j = i / (PPK / 2), e = i % (PPK / 2), u = NGT > 1 ? (j * EPK) / KG : 0;
+        const uint32_t b0 = deq2((w[j] >> (KB * 2 * e)) & KM2, s2[u], z2[u]);
+        const uint32_t b1 = deq2((w[j] >> (KB * (2 * e + 1))) & KM2, s2[u], z2[u]);
+"""
+VALUE_DECL = r"""    uint32_t vwd[4][WTV];
+"""
+VALUE_WORDS = r"""      load_words<WTV>(vwd[k], row_base(vw, 4, vw_strides.data(), pb, h + VH) + tp * vtb + 4 * WTV * g, vvec);
+"""
+VALUE_PAIRS = r"""#pragma unroll
+        for (int r = 0; r < 4; r++) {  // a0a1: (row g, tokens 2c..), a2a3: (row g + 8), a4a5 / a6a7: tokens 2c + 8..
+          const int qq = (r & 1) * NMB + m, jw = qq / EPV, e = qq % EPV;
+          const uint32_t* wa = vwd[(r >> 1) * 2];
+          const uint32_t* wb = vwd[(r >> 1) * 2 + 1];
+          const uint32_t x = __byte_perm(wa[jw], wb[jw], e < PPV ? 0x5410 : 0x7632);
+          a[r] = deq2((x >> (VB * (e % PPV))) & VM2, r >> 1 ? sB : sA, r >> 1 ? zB : zA);
+        }
+"""
+
 # O^T += V^T P^T for one 16-token step: this lane's V words of tokens (2c, 2c + 1, 2c + 8, 2c + 9) in vwd,
 # their scales and biases in vsc / vbi, P^T's fragment in pb0 / pb1
 VALUES = r"""
@@ -190,15 +224,7 @@ VALUES = r"""
 #pragma unroll
       for (int m = 0; m < NMB; m++) {
         uint32_t a[4];
-#pragma unroll
-        for (int r = 0; r < 4; r++) {  // a0a1: (row g, tokens 2c..), a2a3: (row g + 8), a4a5 / a6a7: tokens 2c + 8..
-          const int qq = (r & 1) * NMB + m, jw = qq / EPV, e = qq % EPV;
-          const uint32_t* wa = vwd[(r >> 1) * 2];
-          const uint32_t* wb = vwd[(r >> 1) * 2 + 1];
-          const uint32_t x = __byte_perm(wa[jw], wb[jw], e < PPV ? 0x5410 : 0x7632);
-          a[r] = deq2((x >> (VB * (e % PPV))) & VM2, r >> 1 ? sB : sA, r >> 1 ? zB : zA);
-        }
-        mma16816(acc[m], a[0], a[1], a[2], a[3], pb0, pb1);
+""" + VALUE_PAIRS + r"""        mma16816(acc[m], a[0], a[1], a[2], a[3], pb0, pb1);
       }
     }
 """
@@ -256,14 +282,12 @@ def paged_loop(text: str) -> str:
 # memory (forms 1 and 3), for VALUES
 VALUE_LOADS = r"""
     // values of tokens t0 + (2c, 2c + 1, 2c + 8, 2c + 9): this lane's words and scales
-    uint32_t vwd[4][WTV];
-    __half vsc[4], vbi[4];
+""" + VALUE_DECL + r"""    __half vsc[4], vbi[4];
 #pragma unroll
     for (int k = 0; k < 4; k++) {
       const int t = min(t0 + 2 * c + (k & 1) + 8 * (k >> 1), t_end - 1);
       const int pb = pbt, tp = PAGED ? t % PAGE : t;
-      load_words<WTV>(vwd[k], row_base(vw, 4, vw_strides.data(), pb, h + VH) + tp * vtb + 4 * WTV * g, vvec);
-      const int grp = (VPL * g) / VG;
+""" + VALUE_WORDS + r"""      const int grp = (VPL * g) / VG;
       vsc[k] = vs[pb * vs_strides[0] + (h + VH) * vs_strides[1] + (long long)tp * vs_strides[2] + grp * vs_strides[3]];
       vbi[k] = vb[pb * vb_strides[0] + (h + VH) * vb_strides[1] + (long long)tp * vb_strides[2] + grp * vb_strides[3]];
     }
@@ -284,24 +308,10 @@ LOOP = r"""
     for (int nb = 0; nb < 2; nb++) {
       const int t = min(t0 + 8 * nb + g, t_end - 1);
       const int pb = pbt, tp = PAGED ? t % PAGE : t;
-      uint32_t w[WTK];
-      load_words<WTK>(w, row_base(kw, 4, kw_strides.data(), pb, h) + tp * ktb + 4 * WTK * c, kvec);
-      const long long mo = pb * ks_strides[0] + h * ks_strides[1] + (long long)tp * ks_strides[2];
-      const long long zo = pb * kb_strides[0] + h * kb_strides[1] + (long long)tp * kb_strides[2];
-      __half2 s2[NGT], z2[NGT];
-#pragma unroll
-      for (int u = 0; u < NGT; u++) {
-        const int grp = (KPL * c + u * KG) / KG;
-        s2[u] = __half2half2(ks[mo + grp * ks_strides[3]]);
-        z2[u] = __half2half2(kb[zo + grp * kb_strides[3]]);
-      }
-      s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.f;
+""" + KEY_LOAD + r"""""" + KEY_SCALES + r"""      s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.f;
 #pragma unroll
       for (int i = 0; i < NKB; i++) {
-        const int j = i / (PPK / 2), e = i % (PPK / 2), u = NGT > 1 ? (j * EPK) / KG : 0;
-        const uint32_t b0 = deq2((w[j] >> (KB * 2 * e)) & KM2, s2[u], z2[u]);
-        const uint32_t b1 = deq2((w[j] >> (KB * (2 * e + 1))) & KM2, s2[u], z2[u]);
-        mma16816(s[nb], qa[i][0], 0u, qa[i][1], 0u, b0, b1);
+""" + KEY_MMA + r"""        mma16816(s[nb], qa[i][0], 0u, qa[i][1], 0u, b0, b1);
       }
     }
     float mx = NEG;

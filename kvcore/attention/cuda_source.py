@@ -182,9 +182,8 @@ SCALAR_BODY = r"""
   }
 """
 
-# the split's partials are written (m_out, l_out, acc_out at `ob`); `scratch` is free shared memory
-TAIL = r"""
-  if constexpr (FUSED) {
+# how a split's block counts itself, and the last one learns it is last (then it merges): every warp fences
+FENCE_ARRIVAL = r"""
     __shared__ int last;
     __threadfence();
     __syncthreads();
@@ -193,7 +192,10 @@ TAIL = r"""
     __syncthreads();
     if (!last) return;
     __threadfence();
-    // the merge, all threads: a warp per query vector for the splits' weights and the denominator,
+"""
+# the split's partials are written (m_out, l_out, acc_out at `ob`); `scratch` is free shared memory
+TAIL = r"""
+  if constexpr (FUSED) {""" + FENCE_ARRIVAL + r"""    // the merge, all threads: a warp per query vector for the splits' weights and the denominator,
     // then four output channels per thread (float4 reads of the partial outputs across splits)
     const long long base = (long long)(b * gridDim.y + h) * NSPLIT * QVT;
     const int HQ = gridDim.y * REP;
@@ -265,16 +267,6 @@ RELEASE_ARRIVAL = r"""
     }
     __syncthreads();
     if (!last) return;
-"""
-FENCE_ARRIVAL = r"""
-    __shared__ int last;
-    __threadfence();
-    __syncthreads();
-    int* counter = const_cast<int*>(ctr) + slot[0] + (b * gridDim.y + h) * NQC + qc;
-    if (tid == 0) last = atomicAdd(counter, 1) == NSPLIT - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
 """
 PROLOGUE_SLOT = "  const int slot0 = slot[0];  // the split counters' base, read before the partials are written\n"
 

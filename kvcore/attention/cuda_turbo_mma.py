@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 
-from .cuda_mma import LOOP, MERGE, PRELUDE, QUERIES, VALUE_LOADS, VALUES, paged_loop
+from .cuda_mma import KEY_MMA, KEY_SCALES, LOOP, MERGE, PRELUDE, QUERIES, VALUE_LOADS, VALUES, paged_loop
 
 TURBO_KEY_BITS = (2, 4, 8)
 TURBO_VALUE_BITS = (2, 3, 4, 8)
@@ -71,41 +71,21 @@ BOOKS = r"""
   __syncthreads();
 """
 
-_AFFINE_KEYS = r"""      const long long mo = pb * ks_strides[0] + h * ks_strides[1] + (long long)tp * ks_strides[2];
-      const long long zo = pb * kb_strides[0] + h * kb_strides[1] + (long long)tp * kb_strides[2];
-      __half2 s2[NGT], z2[NGT];
-#pragma unroll
-      for (int u = 0; u < NGT; u++) {
-        const int grp = (KPL * c + u * KG) / KG;
-        s2[u] = __half2half2(ks[mo + grp * ks_strides[3]]);
-        z2[u] = __half2half2(kb[zo + grp * kb_strides[3]]);
-      }
-      s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.f;
-#pragma unroll
-      for (int i = 0; i < NKB; i++) {
-        const int j = i / (PPK / 2), e = i % (PPK / 2), u = NGT > 1 ? (j * EPK) / KG : 0;
-        const uint32_t b0 = deq2((w[j] >> (KB * 2 * e)) & KM2, s2[u], z2[u]);
-        const uint32_t b1 = deq2((w[j] >> (KB * (2 * e + 1))) & KM2, s2[u], z2[u]);
-        mma16816(s[nb], qa[i][0], 0u, qa[i][1], 0u, b0, b1);
-      }
-    }
-"""
-
-_TURBO_KEYS = r"""      s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.f;
-#pragma unroll
-      for (int i = 0; i < NKB; i++) {
-        const int j = i / (PPK / 2), e = i % (PPK / 2);
+# k-block i's B registers: the pair's codes looked up (no scales: the norm multiplies the score after the mma)
+_TURBO_KEY_MMA = r"""        const int j = i / (PPK / 2), e = i % (PPK / 2);
         const uint32_t b0 = lut2(kbook, (w[j] >> (KB * 2 * e)) & KM2);
         const uint32_t b1 = lut2(kbook, (w[j] >> (KB * (2 * e + 1))) & KM2);
-        mma16816(s[nb], qa[i][0], 0u, qa[i][1], 0u, b0, b1);
+"""
+
+# after the n-block's mma: this lane's score columns are tokens t0 + 8 nb + 2c + z, each times its norm
+_KEYS_DONE = r"""        mma16816(s[nb], qa[i][0], 0u, qa[i][1], 0u, b0, b1);
       }
-      // this lane's score columns are tokens t0 + 8 nb + 2c + z: each times its norm
-#pragma unroll
+"""
+_TURBO_KEYS_DONE = _KEYS_DONE + r"""#pragma unroll
       for (int z = 0; z < 2; z++) {
         const int tz = min(t0 + 8 * nb + 2 * c + z, t_end - 1), tpz = PAGED ? tz % PAGE : tz;
         s[nb][z] *= __half2float(ks[pb * ks_strides[0] + h * ks_strides[1] + (long long)tpz * ks_strides[2]]);
       }
-    }
 """
 
 _AFFINE_P = r"""    const uint32_t pb0 = pack_h2(p[0][0], p[0][1]), pb1 = pack_h2(p[1][0], p[1][1]);
@@ -168,7 +148,8 @@ def _code_pairs(nmb: int) -> str:
 def loop(value_dim: int) -> str:
     """Form 1's loop with turbo keys and values (the NMB = value_dim / 16 m-blocks spelled out)."""
     text = paged_loop(LOOP)
-    for old, new in ((_AFFINE_KEYS, _TURBO_KEYS), (_AFFINE_P, _TURBO_P), (VALUE_LOADS, _TURBO_VALUE_LOADS),
+    for old, new in ((KEY_SCALES, ""), (KEY_MMA, _TURBO_KEY_MMA), (_KEYS_DONE, _TURBO_KEYS_DONE), (_AFFINE_P, _TURBO_P),
+                     (VALUE_LOADS, _TURBO_VALUE_LOADS),
                      (VALUES, _TURBO_VALUES.replace("CODE_PAIRS", _code_pairs(value_dim // 16)))):
         assert text.count(old) == 1, old[:60]
         text = text.replace(old, new)
