@@ -153,14 +153,17 @@ def loop(value_dim: int) -> str:
                      (VALUES, _TURBO_VALUES.replace("CODE_PAIRS", _code_pairs(value_dim // 16)))):
         assert text.count(old) == 1, old[:60]
         text = text.replace(old, new)
+    assert text.count("row_base(kw, 4,") == 1
     return text.replace("row_base(kw, 4,", "row_base(kw, 1,")
 
 
 def prelude() -> str:
     """cuda_mma.PRELUDE for byte rows (turbo arrays are uint8: strides count bytes), then the books."""
-    text = PRELUDE.replace("kw_strides[2] * 4ll, vtb = vw_strides[2] * 4ll", "kw_strides[2] * 1ll, vtb = vw_strides[2] * 1ll")
-    text = text.replace("(kw_strides[0] * 4ull) | (kw_strides[1] * 4ull)", "(kw_strides[0] * 1ull) | (kw_strides[1] * 1ull)")
-    text = text.replace("(vw_strides[0] * 4ull) | (vw_strides[1] * 4ull)", "(vw_strides[0] * 1ull) | (vw_strides[1] * 1ull)")
+    text = PRELUDE
+    for side in ("kw", "vw"):
+        for old in (f"{side}_strides[2] * 4ll", f"({side}_strides[0] * 4ull) | ({side}_strides[1] * 4ull)"):
+            assert text.count(old) == 1, old
+            text = text.replace(old, old.replace("* 4", "* 1"))
     return text + BOOKS
 
 
