@@ -326,12 +326,15 @@ def test_paged_bodies_look_a_tile_s_page_up_once_one_tile_ahead():
 
 def test_a_floor_on_tiles_per_split_caps_the_splits_not_the_coverage():
     """MLXKV_CUDA_SPLIT_TILES's floor (the A/B knob): at 32k on 8 heads, 16 tiles a split give 32 splits, not the
-    66 that 528 target blocks ask for; at 128k the target still decides; short rows get one split."""
+    66 that 528 target blocks ask for; at 128k the target still decides; short rows keep a block per SM's worth
+    of splits (512 tokens: 8 one-tile splits, as without the floor)."""
     plan = Plan(Side("affine", 4, 64, 128), Side("affine", 4, 64, 128), 4, 1, False, 1)  # the tensor-core body: 64-token tiles
     assert plan.splits(32768, 1, 8, split_tiles=1) == (8 * plan.tile, 64)
     assert plan.splits(32768, 1, 8, split_tiles=16) == (16 * plan.tile, 32)
     assert plan.splits(131072, 1, 8, split_tiles=16) == plan.splits(131072, 1, 8, split_tiles=1)
-    assert plan.splits(512, 1, 8, split_tiles=16) == (512, 1)
+    assert plan.splits(512, 1, 8, split_tiles=16) == plan.splits(512, 1, 8, split_tiles=1) == (plan.tile, 8)
+    assert plan.splits(8192, 16, 8, split_tiles=16) == plan.splits(8192, 16, 8, split_tiles=1)  # 16 rows: the target
+    assert plan.splits(4096, 1, 8, split_tiles=16) == (4 * plan.tile, 16)  # 64 tiles: 16 splits, 128 blocks
     for columns in (1, 129, 5000, 70000):
         chunk, nsplit = plan.splits(columns, 2, 8, split_tiles=16)
         assert chunk % plan.tile == 0 and (nsplit - 1) * chunk < columns <= nsplit * chunk

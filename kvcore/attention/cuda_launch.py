@@ -251,9 +251,11 @@ class Plan:
     def splits(self, columns: int, rows: int, heads: int, split_tiles: int = SPLIT_TILES) -> tuple[int, int]:
         """(chunk, nsplit) for `columns` tokens at most per row (a host int: capacity or length):
         enough blocks to fill the device, each split a whole number of tiles, at least `split_tiles` of them
-        where there are that many."""
+        where that still gives every SM a block (TARGET_BLOCKS / 4 of them)."""
         tiles = max(1, _ceil(columns, self.tile))
-        want = min(_ceil(TARGET_BLOCKS, rows * heads * self.nqc), max(1, tiles // split_tiles))
+        groups = rows * heads * self.nqc
+        floor = max(tiles // split_tiles, _ceil(TARGET_BLOCKS // 4, groups))  # the floor never leaves an SM idle
+        want = min(_ceil(TARGET_BLOCKS, groups), floor)
         per = _ceil(tiles, min(max(want, 1), tiles))  # tiles per split
         return per * self.tile, _ceil(tiles, per)
 
