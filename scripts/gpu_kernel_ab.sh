@@ -4,7 +4,8 @@
 #   MODE=stalls (about 20 s a case): ncu's stall reasons of one steady launch (warp cycles per issued
 #   instruction spent in each), largest first.
 #   source /var/tmp/mlxw/gpu-env.sh && OUT=/some/folder \
-#     VARIANTS="MLXKV_CUDA_MMA=1 MLXKV_CUDA_MMA=2,MLXKV_CUDA_STAGES=3" CONTEXTS="32768" [MODE=stalls] bash scripts/gpu_kernel_ab.sh
+#     VARIANTS="MLXKV_CUDA_MMA=1 MLXKV_CUDA_MMA=2,MLXKV_CUDA_STAGES=3" CONTEXTS="32768" [MODE=stalls] [ROWS=16] bash scripts/gpu_kernel_ab.sh
+# (ROWS: batch rows of CONTEXTS tokens each, packed as the engine merges them)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the folder for the results}"
@@ -25,11 +26,12 @@ else
 fi
 for variant in ${VARIANTS:-MLXKV_CUDA_MMA=1 MLXKV_CUDA_MMA=2}; do
   for ctx in ${CONTEXTS:-32768}; do
-    f="$OUT/$MODE-$KIND-$(echo "$variant" | tr ',=' '-_')-$ctx.csv"
+    label=$ctx; [ "${ROWS:-1}" -gt 1 ] && label="${ROWS}x$ctx"
+    f="$OUT/$MODE-$KIND-$(echo "$variant" | tr ',=' '-_')-$label.csv"
     env $(echo "$variant" | tr ',' ' ') timeout 90 $NCU --clock-control none --metrics "$metrics" --csv \
       -k regex:mlxkv_decode "${launches[@]}" \
-      python3 scripts/gpu_ncu_step.py --kind "$KIND" --context $ctx --layers 2 --steps $steps > "$f" 2>/dev/null
-    python3 - "$f" "$variant" "$ctx" "$MODE" <<'PY'
+      python3 scripts/gpu_ncu_step.py --kind "$KIND" --context $ctx --layers 2 --steps $steps --rows "${ROWS:-1}" > "$f" 2>/dev/null
+    python3 - "$f" "$variant" "$label" "$MODE" <<'PY'
 import csv, statistics, sys
 path, variant, ctx, mode = sys.argv[1:]
 rows = list(csv.reader(open(path)))

@@ -23,9 +23,10 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--rows", type=int, default=1, help="batch rows of `--context` tokens each (mlxkv kinds)")
     a = ap.parse_args()
-    caches = g.build(a.kind, a.context, a.layers)
-    q = mx.random.normal((1, g.HQ, 1, g.D)).astype(mx.bfloat16)
+    caches = g.build(a.kind, a.context, a.layers, a.rows)
+    q = mx.random.normal((a.rows, g.HQ, 1, g.D)).astype(mx.bfloat16)
     for _ in range(a.steps):
         mx.eval(g.step(a.kind, caches, q))
     mx.synchronize()

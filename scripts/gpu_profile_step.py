@@ -23,31 +23,45 @@ from mlx_lm.models.cache import KVCache
 
 from kvcore.attention.config import AttentionConfig
 from kvcore.attention.hook import _sdpa
-from kvcore.cache import CompressedKVCache
+from kvcore.cache import BatchCompressedKVCache, CompressedKVCache
 from kvcore.codecs import CodecSpec
 
 HQ, HKV, D = 32, 8, 128
 
 
-def build(kind: str, ctx: int, layers: int):
+def _cache(kind: str):
+    if kind.startswith("mlx-lm"):
+        return KVCache()
+    bits = int(kind[6]) if kind.startswith("affine") and kind[6:7].isdigit() else 4  # affine3-kernel: 3 bits
+    spec = CodecSpec("full") if kind.startswith("full") else CodecSpec("affine", bits, 64)
+    vspec = None
+    if kind.startswith("turbo"):  # turbo:k4v3
+        spec, vspec = CodecSpec("turbo", 4), CodecSpec("turbo", 3)
+    kernel = kind.endswith("kernel")  # forced at every context (the default serves from cuda_min_tokens)
+    return CompressedKVCache(spec, vspec, start=0, attention=AttentionConfig(cuda_kernel=kernel, cuda_min_tokens=0))
+
+
+def _filled(c, ctx: int):
+    for lo in range(0, ctx, 8192):
+        n = min(8192, ctx - lo)
+        c.update_and_fetch(mx.random.normal((1, HKV, n, D)).astype(mx.bfloat16),
+                           mx.random.normal((1, HKV, n, D)).astype(mx.bfloat16))
+    mx.eval([a for a in (c.state if isinstance(c.state, tuple) else [c.state]) if isinstance(a, mx.array)])
+    return c
+
+
+def build(kind: str, ctx: int, layers: int, rows: int = 1):
+    """`layers` caches of `ctx` tokens; with `rows` > 1, mlxkv's batch caches of that many rows (packed on CUDA,
+    as the engine merges them)."""
     caches = []
     for _ in range(layers):
-        if kind.startswith("mlx-lm"):
-            c = KVCache()
-        else:
-            bits = int(kind[6]) if kind.startswith("affine") and kind[6:7].isdigit() else 4  # affine3-kernel: 3 bits
-            spec = CodecSpec("full") if kind.startswith("full") else CodecSpec("affine", bits, 64)
-            vspec = None
-            if kind.startswith("turbo"):  # turbo:k4v3
-                spec, vspec = CodecSpec("turbo", 4), CodecSpec("turbo", 3)
-            kernel = kind.endswith("kernel")  # forced at every context (the default serves from cuda_min_tokens)
-            c = CompressedKVCache(spec, vspec, start=0, attention=AttentionConfig(cuda_kernel=kernel, cuda_min_tokens=0))
-        for lo in range(0, ctx, 8192):
-            n = min(8192, ctx - lo)
-            c.update_and_fetch(mx.random.normal((1, HKV, n, D)).astype(mx.bfloat16),
-                               mx.random.normal((1, HKV, n, D)).astype(mx.bfloat16))
-        mx.eval([a for a in (c.state if isinstance(c.state, tuple) else [c.state]) if isinstance(a, mx.array)])
-        caches.append(c)
+        if rows == 1:
+            caches.append(_filled(_cache(kind), ctx))
+            continue
+        batch = BatchCompressedKVCache([_filled(_cache(kind), ctx) for _ in range(rows)])
+        batch._maybe_pack()
+        mx.eval(batch.state)
+        caches.append(batch)
     return caches
 
 

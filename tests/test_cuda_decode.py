@@ -338,3 +338,16 @@ def test_a_floor_on_tiles_per_split_caps_the_splits_not_the_coverage():
     for columns in (1, 129, 5000, 70000):
         chunk, nsplit = plan.splits(columns, 2, 8, split_tiles=16)
         assert chunk % plan.tile == 0 and (nsplit - 1) * chunk < columns <= nsplit * chunk
+
+
+def test_splits_rounded_down_stay_within_one_wave():
+    """MLXKV_CUDA_SPLIT_ROUND=down (the A/B knob): 16 rows x 8 heads take 4 splits (512 blocks of 528), not the 5
+    (640 blocks) rounding up gives; a single row of 8 heads divides the target and is unchanged."""
+    plan = Plan(Side("affine", 4, 64, 128), Side("affine", 4, 64, 128), 4, 1, False, 1)
+    assert plan.splits(8192, 16, 8, round_="up")[1] == 5 and plan.splits(8192, 16, 8, round_="down")[1] == 4
+    for columns, rows in ((32768, 1), (131072, 1), (512, 1), (8192, 3), (4096, 7)):
+        down = plan.splits(columns, rows, 8, round_="down")
+        assert down[1] * rows * 8 * plan.nqc <= TARGET_BLOCKS or down[1] == 1
+        assert (down[1] - 1) * down[0] < columns <= down[1] * down[0]
+    assert plan.splits(32768, 1, 8, round_="down") == plan.splits(32768, 1, 8, round_="up")
+

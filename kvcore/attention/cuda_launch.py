@@ -33,6 +33,10 @@ TARGET_BLOCKS = int(os.environ.get("MLXKV_CUDA_TARGET_BLOCKS", str(4 * 132)))  #
 # 10% faster at 32k (8 -> 16 tiles a split) and 11% slower at 128k (32 tiles a split either way), so a floor on a
 # split's work may serve both lengths
 SPLIT_TILES = max(1, int(os.environ.get("MLXKV_CUDA_SPLIT_TILES", "1")))
+# splits per (row, KV head, query chunk) from TARGET_BLOCKS, rounded up (default) or down (A/B knob): up can
+# overshoot one wave where the rows x heads do not divide the target (16 rows x 8 heads: 5 splits, 640 blocks, 1.2
+# waves of 528; down: 4 splits, 512 blocks)
+SPLIT_ROUND = os.environ.get("MLXKV_CUDA_SPLIT_ROUND", "up")
 MAX_SMEM = 100 * 1024  # bytes; more would leave one block per SM
 BIG = 2**30  # "no bound" in the per-row token bounds
 KINDS = {"dense": 0, "affine": 1, "turbo": 2}
@@ -248,14 +252,16 @@ class Plan:
             t += [("SOFF_" + name, off) for name, off in st.offsets(k.groups, v.groups).items()]
         return t + [("OFF_" + name, off) for name, off in self.layout.items() if name != "TOTAL"]
 
-    def splits(self, columns: int, rows: int, heads: int, split_tiles: int = SPLIT_TILES) -> tuple[int, int]:
+    def splits(self, columns: int, rows: int, heads: int, split_tiles: int = SPLIT_TILES,
+               round_: str = SPLIT_ROUND) -> tuple[int, int]:
         """(chunk, nsplit) for `columns` tokens at most per row (a host int: capacity or length):
         enough blocks to fill the device, each split a whole number of tiles, at least `split_tiles` of them
         where that still gives every SM a block (TARGET_BLOCKS / 4 of them)."""
         tiles = max(1, _ceil(columns, self.tile))
         groups = rows * heads * self.nqc
         floor = max(tiles // split_tiles, _ceil(TARGET_BLOCKS // 4, groups))  # the floor never leaves an SM idle
-        want = min(_ceil(TARGET_BLOCKS, groups), floor)
+        target = max(1, TARGET_BLOCKS // groups) if round_ == "down" else _ceil(TARGET_BLOCKS, groups)
+        want = min(target, floor)
         per = _ceil(tiles, min(max(want, 1), tiles))  # tiles per split
         return per * self.tile, _ceil(tiles, per)
 
