@@ -202,6 +202,9 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny contexts (a CPU check of the script itself)")
     ap.add_argument("--contexts", default=None, help="only the decode cases of these contexts (e.g. 512,32768)")
     ap.add_argument("--no-prefill", action="store_true", help="skip the prefill cases")
+    ap.add_argument("--only", default=None,
+                    help="only these decode cases, comma-separated ENGINE/SCHEME[/KERNEL] (e.g. mlx-lm/bf16,"
+                         "mlxkv/turbo:k4v3/True): KERNEL is the case's kernel setting (True, False, default, paged)")
     ap.add_argument("--prefill-contexts", default=None,
                     help="only these prefill contexts (e.g. 131072: the longest also runs the delayed-start and window cases)")
     a = ap.parse_args()
@@ -246,6 +249,14 @@ def main() -> None:
     if a.contexts:
         keep = {int(c) for c in a.contexts.split(",")}
         plan = [p for p in plan if p[0] in keep]
+    if a.only:
+        wanted = [w.split("/") for w in a.only.split(",")]
+
+        def chosen(eng, scheme, kernel):
+            return any(w[:2] == [eng, scheme] and (len(w) < 3 or w[2] == str(kernel)) for w in wanted)
+
+        plan = [(c, r, [e for e in engines if chosen(*e)]) for c, r, engines in plan]
+        plan = [p for p in plan if p[2]]
     if a.prefill_contexts:
         prefills = tuple(int(c) for c in a.prefill_contexts.split(","))
     if a.no_prefill:
