@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import os
 
-from .cuda_mma import (KEY_LOAD, KEY_MMA, LOOP, MERGE, PRELUDE, VALUE_DECL, VALUE_LOADS, VALUE_PAIRS, VALUE_WORDS, VALUES,
-                       paged_loop)
+from .cuda_mma import (KEY_LOAD, KEY_MMA, LOOP, MERGE, PRELUDE, VALUE_DECL, VALUE_LOADS, VALUE_PAIRS, VALUE_WORDS, VALUES)
 
 CHUNK_BITS = (2, 3, 4, 5, 6, 8)
 
@@ -115,7 +114,7 @@ def _value_pairs(nmb: int) -> str:
 
 
 def body(key_dim: int, value_dim: int) -> str:
-    loop, values, loads = paged_loop(LOOP), VALUES, VALUE_LOADS
+    loop, values, loads = LOOP, VALUES, VALUE_LOADS
     for old, new in ((KEY_LOAD, _CHUNK_KEY_LOAD), (KEY_MMA, _key_pairs(key_dim // 16))):
         assert loop.count(old) == 1, old[:60]
         loop = loop.replace(old, new)

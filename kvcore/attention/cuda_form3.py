@@ -13,7 +13,7 @@ Shared memory, launch bounds and constants are form 1's (`cuda_mma.mma_smem`, `c
 
 from __future__ import annotations
 
-from .cuda_mma import MERGE, PRELUDE, QUERIES, VALUE_LOADS, VALUES, paged_loop
+from .cuda_mma import MERGE, PAGE_AHEAD, PRELUDE, QUERIES, TILE_PAGE, VALUE_LOADS, VALUES
 from .cuda_stage import KEY_MMA, LANE_QUERIES, PARTIALS, SOFTMAX
 
 # keys of tokens t0 + g (w0, sa, za) and t0 + 8 + g (w1, sb, zb): this lane's words [WTK c, WTK c + WTK)
@@ -39,12 +39,7 @@ KEY_LOADS = r"""
       }
 """
 
-LOOP = LANE_QUERIES + r"""
-  PAGE_AHEAD
-  for (int t0 = t_begin + 16 * warp; t0 < t_end; t0 += 16 * NWARP) {
-    TILE_PAGE
-""" + KEY_LOADS + KEY_MMA + SOFTMAX + VALUE_LOADS + VALUES + r"""
-  }
-""" + PARTIALS
+LOOP = (LANE_QUERIES + PAGE_AHEAD + "  for (int t0 = t_begin + 16 * warp; t0 < t_end; t0 += 16 * NWARP) {" + TILE_PAGE
+        + KEY_LOADS + KEY_MMA + SOFTMAX + VALUE_LOADS + VALUES + "  }\n" + PARTIALS)
 
-BODY = PRELUDE + QUERIES + paged_loop(LOOP) + MERGE
+BODY = PRELUDE + QUERIES + LOOP + MERGE

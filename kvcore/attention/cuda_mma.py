@@ -273,11 +273,6 @@ TILE_PAGE = r"""
 """
 
 
-def paged_loop(text: str) -> str:
-    """A loop's text with the one-tile-ahead page lookup written in (forms 1 and 3)."""
-    return text.replace("  PAGE_AHEAD\n", PAGE_AHEAD).replace("    TILE_PAGE\n", TILE_PAGE)
-
-
 # this lane's V words of tokens t0 + (2c, 2c + 1, 2c + 8, 2c + 9) and their scales / biases, read from global
 # memory (forms 1 and 3), for VALUES
 VALUE_LOADS = r"""
@@ -299,16 +294,13 @@ LOOP = r"""
   const bool real = g < QVB;
   float m_run = NEG, l_run = 0.f;  // query vector g, log2 units; l over this lane's tokens
 
-  PAGE_AHEAD
-  for (int t0 = t_begin + 16 * warp; t0 < t_end; t0 += 16 * NWARP) {
-    TILE_PAGE
-    // scores of tokens t0 + 8 nb + (2c, 2c + 1) for query vector g
+""" + PAGE_AHEAD + r"""  for (int t0 = t_begin + 16 * warp; t0 < t_end; t0 += 16 * NWARP) {""" + TILE_PAGE + r"""    // scores of tokens t0 + 8 nb + (2c, 2c + 1) for query vector g
     float s[2][4];
 #pragma unroll
     for (int nb = 0; nb < 2; nb++) {
       const int t = min(t0 + 8 * nb + g, t_end - 1);
       const int pb = pbt, tp = PAGED ? t % PAGE : t;
-""" + KEY_LOAD + r"""""" + KEY_SCALES + r"""      s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.f;
+""" + KEY_LOAD + KEY_SCALES + r"""      s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.f;
 #pragma unroll
       for (int i = 0; i < NKB; i++) {
 """ + KEY_MMA + r"""        mma16816(s[nb], qa[i][0], 0u, qa[i][1], 0u, b0, b1);
@@ -357,4 +349,4 @@ LOOP = r"""
   if (c == 0 && real) { wm[warp * 8 + g] = m_run; wl[warp * 8 + g] = lq; }
 """
 
-BODY = PRELUDE + QUERIES + paged_loop(LOOP) + MERGE
+BODY = PRELUDE + QUERIES + LOOP + MERGE

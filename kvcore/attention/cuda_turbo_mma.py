@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 
-from .cuda_mma import KEY_MMA, KEY_SCALES, LOOP, MERGE, PRELUDE, QUERIES, VALUE_LOADS, VALUES, paged_loop
+from .cuda_mma import KEY_MMA, KEY_SCALES, LOOP, MERGE, PRELUDE, QUERIES, VALUE_LOADS, VALUES
 
 TURBO_KEY_BITS = (2, 4, 8)
 TURBO_VALUE_BITS = (2, 3, 4, 8)
@@ -147,7 +147,7 @@ def _code_pairs(nmb: int) -> str:
 
 def loop(value_dim: int) -> str:
     """Form 1's loop with turbo keys and values (the NMB = value_dim / 16 m-blocks spelled out)."""
-    text = paged_loop(LOOP)
+    text = LOOP
     for old, new in ((KEY_SCALES, ""), (KEY_MMA, _TURBO_KEY_MMA), (_KEYS_DONE, _TURBO_KEYS_DONE), (_AFFINE_P, _TURBO_P),
                      (VALUE_LOADS, _TURBO_VALUE_LOADS),
                      (VALUES, _TURBO_VALUES.replace("CODE_PAIRS", _code_pairs(value_dim // 16)))):
