@@ -33,7 +33,8 @@ def versions() -> dict:
 
 def failure(e: Exception) -> str:
     """An exception as one line of a verdict: its type and the first 200 characters of its message."""
-    return f"{type(e).__name__}: {first_line(e)}" if str(e).strip() else type(e).__name__
+    line = first_line(e, empty="")
+    return f"{type(e).__name__}: {line}" if line else type(e).__name__
 
 
 class Verdicts(dict):

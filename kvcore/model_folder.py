@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .errors import MlxkvError
+from .errors import MlxkvError, first_line
 
 # counts that make no model when 0 or negative (where the config gives them as integers)
 POSITIVE = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size", "vocab_size",
@@ -89,7 +89,7 @@ def load_folder(path: Path, source: str):
     try:
         model, tokenizer, config = load(str(path), return_config=True)
     except (ValueError, FileNotFoundError, KeyError) as e:
-        raise MlxkvError(f"cannot load model {source}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+        raise MlxkvError(f"cannot load model {source}: {first_line(e, limit=None)}")
     except Exception as e:  # mlx-lm / transformers on a folder they cannot read: still name the folder
         first = str(e).splitlines()[0] if str(e) else ""
         raise MlxkvError(f"cannot load model {source}: {type(e).__name__}{': ' + first if first else ''}") from None

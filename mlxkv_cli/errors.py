@@ -13,7 +13,7 @@ except ImportError:  # pragma: no cover
     from click import exceptions as click_errors
 from typer.core import TyperGroup
 
-from kvcore.errors import MlxkvError
+from kvcore.errors import MlxkvError, first_line
 
 
 def _fail(message: str, code: int) -> None:
@@ -38,7 +38,7 @@ class MlxkvGroup(TyperGroup):
         except typer.Abort:
             _fail("aborted", 130)
         except MlxkvError as e:
-            _fail(str(e).splitlines()[0] if str(e) else type(e).__name__, 1)
+            _fail(first_line(e, limit=None), 1)
         except BrokenPipeError:
             sys.exit(1)
         except OSError as e:  # a file no check caught (the checks name most): still name it

@@ -6,7 +6,6 @@ from typing import Annotated, Optional
 
 import typer
 
-
 from . import output
 
 DraftModelOpt = Annotated[Optional[str], typer.Option(help="Speculative decoding with this draft model (same tokenizer as the target): a folder, .gguf or cached repo id.")]

@@ -11,4 +11,9 @@ __all__ = ["Budget", "CalibrateJob", "Calibration", "CandidateSet", "LayerOption
 
 from ..lazy import exports  # noqa: E402
 
-__getattr__ = exports(__name__, {"Budget": "budget", "CandidateSet": "candidates", "LayerOption": "candidates", "parse_candidates": "candidates", "config_entries": "config_file", "config_policy": "config_file", "config_text": "config_file", "CalibrateJob": "run", "Calibration": "run", "run_calibrate": "run"})
+__getattr__ = exports(__name__, {
+    "Budget": "budget",
+    "CandidateSet": "candidates", "LayerOption": "candidates", "parse_candidates": "candidates",
+    "config_entries": "config_file", "config_policy": "config_file", "config_text": "config_file",
+    "CalibrateJob": "run", "Calibration": "run", "run_calibrate": "run",
+})

@@ -18,7 +18,7 @@ import mlx.core as mx
 
 from ..backend import backend_name, versions
 from ..bench.fit import layer_shapes
-from ..errors import MlxkvError
+from ..errors import MlxkvError, first_line
 from ..models import load_model, parse_dtype
 from ..policy import KVPolicy, build_caches
 from .bytes import KVBytes, kv_bytes
@@ -139,7 +139,7 @@ def _measure(row: SchemeRow, scheme: Scheme, model, name: str, tokens: list[int]
         caches = scheme.caches(model)
         s = teacher_forced_stats(model, tokens, caches, ref, chunk)
     except (ValueError, RuntimeError, MlxkvError) as e:  # e.g. mx.quantize: group does not divide head_dim
-        row.error = str(e).splitlines()[0] if str(e) else type(e).__name__
+        row.error = first_line(e, limit=None)
         return
     row.stats.append(s)
     row.per_text.setdefault(name, []).append(s)

@@ -7,7 +7,7 @@ import json
 from dataclasses import fields, replace
 
 from ..engine import Request, SamplingConfig
-from ..errors import MlxkvError
+from ..errors import MlxkvError, first_line
 from . import tools
 from .errors import APIError, bad_request
 from .protocol import ChatRequest
@@ -134,7 +134,7 @@ def response_constraint(fmt: dict | None):
 def refused(request: Request, e: MlxkvError) -> APIError:
     """The engine's refusal of a request (a constraint llguidance does not compile) as a 400 naming
     the field it came from: serve's only grammars are forced tool calls, its schemas response_format's."""
-    msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+    msg = first_line(e, limit=None)
     spec = request.sampling.constraint if request.sampling is not None else None
     if spec is not None and " does not compile: " in msg:
         if spec.kind == "grammar":

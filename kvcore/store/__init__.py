@@ -8,4 +8,11 @@ __all__ = ["CacheFile", "CacheFileError", "ConvertResult", "check_fingerprint", 
 
 from ..lazy import exports  # noqa: E402
 
-__getattr__ = exports(__name__, {"ConvertResult": "convert", "convert_cache_file": "convert", "CacheFile": "file", "open_cache_file": "file", "save_cache": "file", "check_fingerprint": "fingerprint", "model_fingerprint": "fingerprint", "inspect_cache": "inspect", "CacheFileError": "safetensors", "Sharding": "sharding", "check_sharding": "sharding", "local_kv_heads": "sharding", "rank_path": "sharding"})
+__getattr__ = exports(__name__, {
+    "ConvertResult": "convert", "convert_cache_file": "convert",
+    "CacheFile": "file", "open_cache_file": "file", "save_cache": "file",
+    "check_fingerprint": "fingerprint", "model_fingerprint": "fingerprint",
+    "inspect_cache": "inspect",
+    "CacheFileError": "safetensors",
+    "Sharding": "sharding", "check_sharding": "sharding", "local_kv_heads": "sharding", "rank_path": "sharding",
+})

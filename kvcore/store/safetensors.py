@@ -21,7 +21,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..errors import MlxkvError
+from ..errors import MlxkvError, first_line
 
 MAX_HEADER = 100 * 2**20
 READ_CHUNK = 4 * 2**20
@@ -96,7 +96,7 @@ class Container:
         try:
             arrays = mx.load(str(self.path), format="safetensors")
         except (RuntimeError, ValueError, OSError) as e:
-            raise self.fail(f"cannot read the arrays ({str(e).splitlines()[0] if str(e) else type(e).__name__})")
+            raise self.fail(f"cannot read the arrays ({first_line(e, limit=None)})")
         for name, t in self.tensors.items():
             a = arrays.get(name)
             if a is None or tuple(a.shape) != t.shape or dtype_name(a.dtype) != t.dtype:
