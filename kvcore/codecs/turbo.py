@@ -81,9 +81,8 @@ class TurboCodec:
         self.head_dim = head_dim
         self.bits = spec.bits
         self.rotation = make_rotation(head_dim, SEED)
-        c, b = gaussian_codebook(self.bits)
+        c = gaussian_codebook(self.bits)[0]
         self.centroids = mx.array(c.astype("float32"))  # (2**bits,)
-        self.boundaries = mx.array(b.astype("float32"))  # (2**bits - 1,)
         self.table = chunk_table(c, self.bits)  # centroids of every chunk of packed indices
 
     def encode(self, x: mx.array) -> Encoded:
@@ -91,7 +90,7 @@ class TurboCodec:
         return pack(idx, self.bits), scale  # (B, H, T, ceil(d*bits/8)) uint8, (B, H, T, 1)
 
     def decode(self, enc: Encoded, dtype: mx.Dtype) -> mx.array:
-        return self.rotation.inverse(self._rotated(enc, mx.float32)).astype(dtype)
+        return self.rotation.inverse(self._rotated(enc, mx.float32), dtype)
 
     def decode_rotated(self, enc: Encoded, dtype: mx.Dtype) -> mx.array:
         """R x instead of x: for attention run in the rotated basis (`kvcore.attention.rotated`)."""
