@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from test_cuda_mma import LANES, _deq2
-from test_cuda_turbo_mma import _chunk_code, p_fragment, value_mma
+from test_cuda_turbo_mma import _chunk_code, _lane_chunk, p_fragment, value_mma
 
 from kvcore.attention import cuda_kernels, cuda_mma
 from kvcore.attention.cuda_check import check_plan
@@ -28,14 +28,6 @@ def _encoded(bits: int, group: int, dim: int, tokens: int, seed: int):
     return rows, np.array(s.astype(mx.float32))[0, 0], np.array(b.astype(mx.float32))[0, 0], dec
 
 
-def _chunk(row: np.ndarray, lane: int, per_lane: int, bits: int) -> list[int]:
-    """lane_chunk<NB>: the lane's NB = per_lane * bits / 8 bytes at byte NB * lane, as little-endian words."""
-    nb = per_lane * bits // 8
-    raw = np.zeros(-(-nb // 4) * 4, np.uint8)
-    raw[:nb] = row[nb * lane : nb * lane + nb]
-    return [int(x) for x in raw.view("<u4")]
-
-
 def emulate_scores(q, kr, ks, kz, bits: int, group: int, slip: int = 0) -> np.ndarray:
     dim = q.shape[1]
     KPL, NKB = dim // 4, dim // 16
@@ -50,7 +42,7 @@ def emulate_scores(q, kr, ks, kz, bits: int, group: int, slip: int = 0) -> np.nd
                     A[g, 2 * c : 2 * c + 2] = np.float16(q[g, [d0, d0 + 1]])
                     A[g, 2 * c + 8 : 2 * c + 10] = np.float16(q[g, [d0 + 2, d0 + 3]])
                 t = 8 * nb + g
-                w = _chunk(kr[t], c, KPL, bits)
+                w = _lane_chunk(kr[t], c, KPL, bits)
                 grp = d0 // group
                 sz = ((ks[t, grp],) * 2, (kz[t, grp],) * 2)
                 codes = [_chunk_code(w, (4 * i + j + slip) % KPL, bits) for j in range(4)]
@@ -68,7 +60,7 @@ def emulate_values(p, vr, vs, vz, bits: int, group: int, dv: int) -> np.ndarray:
     def pair(m, g, c, r):
         e, grp = (r & 1) * NMB + m, VPL * g // group
         ta, tb = 2 * c + 8 * (r >> 1), 2 * c + 8 * (r >> 1) + 1
-        codes = [_chunk_code(_chunk(vr[t], g, VPL, bits), e, bits) for t in (ta, tb)]
+        codes = [_chunk_code(_lane_chunk(vr[t], g, VPL, bits), e, bits) for t in (ta, tb)]
         return _deq2(codes, (vs[ta, grp], vs[tb, grp]), (vz[ta, grp], vz[tb, grp]))
 
     return value_mma(p_fragment(p), pair, dv)
