@@ -87,9 +87,9 @@ def test_chunk_fragments_give_scores_and_outputs(monkeypatch, kbits, kg, vbits, 
 
 def test_where_the_chunk_body_applies(monkeypatch):
     a3, a4 = Side("affine", 3, 64, 128), Side("affine", 4, 64, 128)
-    monkeypatch.delenv("MLXKV_CUDA_CHUNK_MMA", raising=False)
+    monkeypatch.setenv("MLXKV_CUDA_CHUNK_MMA", "0")
     assert not cuda_mma.mma_fits(a3, a3, 4, 1, "bfloat16") and cuda_mma.mma_fits(a4, a4, 4, 1, "bfloat16")
-    monkeypatch.setenv("MLXKV_CUDA_CHUNK_MMA", "1")
+    monkeypatch.delenv("MLXKV_CUDA_CHUNK_MMA", raising=False)  # the default
     assert cuda_mma.mma_fits(a3, a3, 4, 1, "bfloat16") and cuda_mma.mma_fits(a4, a3, 8, 1, "float16")
     assert not cuda_mma.mma_fits(Side("affine", 3, 64, 64), Side("affine", 3, 64, 64), 4, 1, "bfloat16")  # 24-bit V chunks
     assert "form 1 only" in Plan(a3, a3, 4, 1, False, 2).why_not()

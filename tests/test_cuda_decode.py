@@ -303,8 +303,9 @@ def emulate_merge_split(q, launch, plan, scale, sinks, split):
 
 
 def test_release_arrival_replaces_the_fenced_one_whole():
-    """MLXKV_CUDA_ARRIVE=release swaps the split counter's arrival text for CUTLASS's semaphore pattern: the
-    replacement must find the default text (a silent no-op would time the default as the variant)."""
+    """The release arrival (the default since run 11) swaps the split counter's fenced arrival text
+    (MLXKV_CUDA_ARRIVE=fence) for CUTLASS's semaphore pattern: the replacement must find the fenced text (a
+    silent no-op would run the old arrival as the new one)."""
     default, start = cuda_source.tail("fence"), cuda_source.prologue("fence")
     assert cuda_source.FENCE_ARRIVAL in default and "slot0" not in start
     text = cuda_source.tail("release")
@@ -341,7 +342,7 @@ def test_a_floor_on_tiles_per_split_caps_the_splits_not_the_coverage():
 
 
 def test_splits_rounded_down_stay_within_one_wave():
-    """MLXKV_CUDA_SPLIT_ROUND=down (the A/B knob): 16 rows x 8 heads take 4 splits (512 blocks of 528), not the 5
+    """Splits rounded down (the default since run 11; MLXKV_CUDA_SPLIT_ROUND=up the A/B knob): 16 rows x 8 heads take 4 splits (512 blocks of 528), not the 5
     (640 blocks) rounding up gives; a single row of 8 heads divides the target and is unchanged."""
     plan = Plan(Side("affine", 4, 64, 128), Side("affine", 4, 64, 128), 4, 1, False, 1)
     assert plan.splits(8192, 16, 8, round_="up")[1] == 5 and plan.splits(8192, 16, 8, round_="down")[1] == 4

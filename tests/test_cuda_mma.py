@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from cuda_emulation import words
 
-from kvcore.attention import cuda_form3, cuda_kernels, cuda_mma, cuda_stage
+from kvcore.attention import cuda_form3, cuda_kernels, cuda_mma, cuda_source, cuda_stage
 from kvcore.attention.cuda_launch import Plan, Side
 from kvcore.codecs import CodecSpec
 from kvcore.codecs.affine import AffineCodec
@@ -208,12 +208,15 @@ def test_where_the_tensor_core_body_applies(monkeypatch):
     fits = cuda_mma.mma_fits
     assert fits(A(4), A(4), 4, 1, "bfloat16") and fits(A(8), A(4, g=32), 1, 8, "float16")
     assert not fits(A(4), A(4), 4, 1, "float32")  # fp32 queries keep the scalar body's precision
-    assert not fits(A(3), A(3), 4, 1, "bfloat16")  # codes across words
+    assert not cuda_mma.word_fits(A(3), A(3)) and fits(A(3), A(3), 4, 1, "bfloat16")  # codes across words: the chunk body
     assert not fits(A(4), A(4), 4, 4, "bfloat16")  # 16 query vectors > 8 rows
-    assert not fits(A(4, d=128, g=4), A(4), 4, 1, "bfloat16")  # a K word spans groups
+    assert not cuda_mma.word_fits(A(4, d=128, g=4), A(4)) and fits(A(4, d=128, g=4), A(4), 4, 1, "bfloat16")  # a K word spans groups: the chunk body
     assert not fits(Side("turbo", 4, 128, 128), A(4), 4, 1, "bfloat16")
     monkeypatch.setenv("MLXKV_CUDA_MMA", "0")
     assert not fits(A(4), A(4), 4, 1, "bfloat16")
+    monkeypatch.setenv("MLXKV_CUDA_MMA", "1")
+    monkeypatch.setenv("MLXKV_CUDA_CHUNK_MMA", "0")
+    assert not fits(A(3), A(3), 4, 1, "bfloat16") and not fits(A(4, d=128, g=4), A(4), 4, 1, "bfloat16")
 
 
 def test_mma_plans_tile_and_share_the_merge():
@@ -221,7 +224,8 @@ def test_mma_plans_tile_and_share_the_merge():
     assert plan.tile == cuda_mma.MMA_TILE and plan.layout["KT"] == 0 and plan.why_not() is None
     assert plan.merges_in_launch(256) and hash(plan) != hash(Plan(plan.key, plan.value, 4, 1))
     text = cuda_kernels.body(True)
-    assert "mma16816" in text and "atomicAdd" in text  # the tensor-core body, then the shared merge tail
+    arrival = "fence.acq_rel.gpu" if cuda_source.ARRIVE == "release" else "atomicAdd"
+    assert "mma16816" in text and arrival in text  # the tensor-core body, then the shared merge tail
     head = cuda_kernels.header(True)  # ends by giving the kernel MLX declares next its launch bounds
     assert head.rstrip().endswith(f"__launch_bounds__(128, {cuda_mma.MIN_BLOCKS})") and "__launch_bounds__" not in cuda_kernels.header(False)
     assert cuda_mma.min_blocks(128) == 4 and cuda_mma.min_blocks(256) == 2

@@ -33,10 +33,10 @@ TARGET_BLOCKS = int(os.environ.get("MLXKV_CUDA_TARGET_BLOCKS", str(4 * 132)))  #
 # 10% faster at 32k (8 -> 16 tiles a split) and 11% slower at 128k (32 tiles a split either way), so a floor on a
 # split's work may serve both lengths
 SPLIT_TILES = max(1, int(os.environ.get("MLXKV_CUDA_SPLIT_TILES", "1")))
-# splits per (row, KV head, query chunk) from TARGET_BLOCKS, rounded up (default) or down (A/B knob): up can
-# overshoot one wave where the rows x heads do not divide the target (16 rows x 8 heads: 5 splits, 640 blocks, 1.2
-# waves of 528; down: 4 splits, 512 blocks)
-SPLIT_ROUND = os.environ.get("MLXKV_CUDA_SPLIT_ROUND", "up")
+# splits per (row, KV head, query chunk) from TARGET_BLOCKS, rounded down (default since run 11) or up (A/B knob):
+# up overshoots one wave where the rows x heads do not divide the target (16 rows x 8 heads: 5 splits, 640 blocks,
+# 1.2 waves of 528; down: 4 splits, 512 blocks, 146 against 175 us a launch at 16 x 8k in run 11)
+SPLIT_ROUND = os.environ.get("MLXKV_CUDA_SPLIT_ROUND", "down")
 MAX_SMEM = 100 * 1024  # bytes; more would leave one block per SM
 BIG = 2**30  # "no bound" in the per-row token bounds
 KINDS = {"dense": 0, "affine": 1, "turbo": 2}

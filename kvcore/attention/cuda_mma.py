@@ -55,7 +55,7 @@ def mma_fits(key, value, rep: int, n_queries: int, q_dtype: str) -> bool:
         return False
     if word_fits(key, value):
         return True
-    from . import cuda_chunk_mma  # codes that do not pair within half-words: opt-in (cuda_chunk_mma.py)
+    from . import cuda_chunk_mma  # codes that do not pair within half-words (cuda_chunk_mma.py)
 
     return variant() == 1 and cuda_chunk_mma.enabled() and cuda_chunk_mma.chunk_fits(key, value)
 
