@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 import typer
 
 from kvcore.adapters import apply_adapter, check_adapter_folder
-from kvcore.errors import MlxkvError
+from kvcore.errors import MlxkvError, first_line
 from kvcore.models import dtype_name, load_model
 from kvcore.units import format_bytes
 
@@ -97,7 +97,7 @@ def repl(session: ChatSession) -> None:
             else:
                 answer(session, line)
         except MlxkvError as e:  # a bad /load file or the like: the session goes on
-            output.err.print(f"error: {str(e).splitlines()[0]}")
+            output.err.print(f"error: {first_line(e, None)}")
         except KeyboardInterrupt:  # Ctrl-C outside an answer (a command, the prompt's prefill)
             output.stream_text("\n")
             output.notice("stopped (Ctrl-C)")

@@ -10,8 +10,10 @@ def _check_backend() -> None:
     try:
         import mlx.core  # noqa: F401
     except ImportError as e:
+        from kvcore.errors import first_line  # kvcore's package imports no MLX
+
         print(
-            "error: MLX has no backend here (" + str(e).splitlines()[0] + "); on Linux install an extra: "
+            "error: MLX has no backend here (" + first_line(e, None) + "); on Linux install an extra: "
             "pip install 'mlxkv[cpu]' (CPU) or 'mlxkv[cuda]' (NVIDIA CUDA 13)",
             file=sys.stderr,
         )

@@ -5,9 +5,13 @@ process, then the prompt as `gpu_bench.py` times it (the engine, under the memor
 that is slower chunk for chunk than the second means work done once per new shape (kernels built as the
 past grows); equal passes whose chunks slow down with the past mean the attention over the stored tokens;
 an engine pass well below the raw ones means the memory plan (smaller query groups, blockwise attention).
-One JSON line per scheme and pass: seconds per chunk, their sum, tokens/s.
+One JSON line per scheme and pass: seconds per chunk, their sum, tokens/s, and one decode step after the
+prompt (`decode_s`). The last chunk ends with the prompt's last token on its own, a decode step over the
+compressed past: in a first pass it holds the decode kernel's first use (its build and device check), so
+the last chunk less `decode_s` is what that costs; in a later process MLX's PTX cache on disk serves the build.
 
     python3 scripts/gpu_prefill_probe.py [--shape llama-8b] [--context 32768] [--schemes affine:4,turbo:k4v3]
+                                         [--passes 2] [--no-engine]
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import mlx.core as mx
 
 from kvcore.bench.grid import scheme_policy
 from kvcore.bench.shapes import build_random_model
-from kvcore.engine.forward import prefill_chunk
+from kvcore.engine.forward import forward, prefill_chunk
 from kvcore.policy import build_caches
 from kvcore.transient import plan_for_model
 
@@ -31,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_bench import prefill_case  # noqa: E402
 
 
-def chunks(model, policy, tokens: list[int], chunk: int) -> list[float]:
+def chunks(model, policy, tokens: list[int], chunk: int) -> tuple[list[float], float]:
+    """(seconds per prefill chunk of `tokens`, seconds of the decode step after them)."""
     caches = build_caches(model, policy)[0]
     out, done = [], 0
     mx.synchronize()
@@ -40,7 +45,10 @@ def chunks(model, policy, tokens: list[int], chunk: int) -> list[float]:
         done, logits = prefill_chunk(model, tokens, caches, done, chunk)
         mx.eval(logits[:, -1, :], [c.state for c in caches])
         out.append(round(time.perf_counter() - t0, 4))
-    return out
+    t0 = time.perf_counter()
+    logits = forward(model, mx.array([[tokens[-1]]]), caches)
+    mx.eval(logits, [c.state for c in caches])
+    return out, round(time.perf_counter() - t0, 4)
 
 
 def main() -> None:
@@ -49,16 +57,20 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--chunk", type=int, default=2048)
     ap.add_argument("--schemes", default="affine:4,turbo:k4v3")
+    ap.add_argument("--passes", type=int, default=2, help="prefills of the same prompt in this process")
+    ap.add_argument("--no-engine", action="store_true", help="skip the engine's pass (gpu_bench's prefill)")
     a = ap.parse_args()
     model, cfg = build_random_model(a.shape)
     tokens = mx.random.randint(3, min(30000, cfg["vocab_size"]), (a.context,)).tolist()
     for scheme in a.schemes.split(","):
         policy = scheme_policy(scheme)
-        for rep in (1, 2):
-            t = chunks(model, policy, tokens, a.chunk)
+        for rep in range(1, a.passes + 1):
+            t, decode_s = chunks(model, policy, tokens, a.chunk)
             print(json.dumps({"scheme": scheme, "pass": rep, "context": a.context, "seconds": round(sum(t), 3),
-                              "tps": round(a.context / sum(t), 1), "chunks_s": t}), flush=True)
+                              "tps": round(a.context / sum(t), 1), "decode_s": decode_s, "chunks_s": t}), flush=True)
             mx.clear_cache()
+        if a.no_engine:
+            continue
         r = prefill_case(model, cfg, scheme, a.context)
         plan = plan_for_model(model, cfg, policy, a.context)
         print(json.dumps({"scheme": scheme, "pass": "engine", "context": a.context, "seconds": round(r["ttft_s"], 3),

@@ -1,24 +1,21 @@
 #!/usr/bin/env bash
-# One device call (about 5 minutes): TurboQuant rows and affine 3/5/6-bit codes on the tensor-core decode body
-# (kvcore/attention/cuda_turbo_mma.py, cuda_chunk_mma.py; opt-in with MLXKV_CUDA_TURBO_MMA=1 and
-# MLXKV_CUDA_CHUNK_MMA=1), checked and timed for the first time:
-# 1. their device tests (cuda_check's admission check, 6 and 5 plans x 2 dtypes, two seeds) and the CPU fragment
-#    emulations beside them;
-# 2. scripts/gpu_kernel_ab.sh over turbo:k4v3 and affine:3 at 32k and 128k: the scalar body (shipped) against the
-#    new ones;
-# 3. scripts/gpu_bench.py at 32k and 128k with the new body, mlx-lm bf16 and affine:4's kernel in the same run (the
-#    turbo:k4v3 kernel row at 128k is P9's figure; run 7: 21.8 tok/s at 32k on the scalar body against mlx-lm's 118).
+# One device call (under 9 minutes): TurboQuant's decode on the tensor cores and its prefill at 128k.
 #   source /var/tmp/mlxw/gpu-env.sh && OUT=/some/folder bash scripts/gpu_session_turbo.sh
+# 1. scripts/gpu_kernel_ab.sh over turbo:k4v3 at 32k and 128k: the scalar body (default) against the tensor-core
+#    body (MLXKV_CUDA_TURBO_MMA=1; run 11: equal to the reference, 32k bimodal, its 128k case cut off);
+# 2. why turbo's prefill loses ~178 ms a chunk at 128k but ~25 ms at 32k (run 11: 0.57x mlx-lm at 128k), chunk by
+#    chunk (scripts/gpu_prefill_probe.py --context 131072, one pass a scheme, no engine pass);
+# 3. the same probe at 32k in a second process: the decode kernel's first use (last chunk less the decode step)
+#    with MLX's PTX cache on disk warm from the process before (run 11's first pass: 7.9 s in affine:4's last chunk);
+# 4. scripts/gpu_bench.py at 32k and 128k, turbo:k4v3's kernel row with the tensor-core body against mlx-lm bf16 in
+#    the same run (P9: >= 1.3x at 128k; run 11: 0.64x).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 TAIL_LINES=10 source scripts/gpu_steps.sh
-step tests-turbo 90 env MLXKV_CUDA_TURBO_MMA=1 MLXKV_CUDA_CHUNK_MMA=1 python3 -m pytest -q -p no:cacheprovider -n 8 \
-  --timeout 85 -rfEs tests/test_cuda_turbo_mma.py tests/test_cuda_chunk_mma.py
-step ab-turbo 100 env OUT="$RES" KIND=turbo-kernel CONTEXTS="32768 131072" \
+step ab-turbo 170 env OUT="$RES" KIND=turbo-kernel CONTEXTS="32768 131072" \
   VARIANTS="MLXKV_CUDA_TURBO_MMA=0 MLXKV_CUDA_TURBO_MMA=1" bash scripts/gpu_kernel_ab.sh
-step ab-chunk 100 env OUT="$RES" KIND=affine3-kernel CONTEXTS="32768 131072" \
-  VARIANTS="MLXKV_CUDA_CHUNK_MMA=0 MLXKV_CUDA_CHUNK_MMA=1" bash scripts/gpu_kernel_ab.sh
+step probe-128k 150 python3 scripts/gpu_prefill_probe.py --context 131072 --passes 1 --no-engine
+step probe-32k-again 80 python3 scripts/gpu_prefill_probe.py --context 32768 --passes 1 --no-engine
 step bench-turbo 110 env MLXKV_CUDA_TURBO_MMA=1 python3 scripts/gpu_bench.py --contexts 32768,131072 --no-prefill \
-  --only mlx-lm/bf16,mlxkv/turbo:k4v3/True,mlxkv/affine:4/True --repeats 2 --budget-s 95 \
-  --output "$RES/h200-llama-8b-turbo-mma.json"
+  --only mlx-lm/bf16,mlxkv/turbo:k4v3/True --repeats 3 --budget-s 95 --output "$RES/h200-llama-8b-run12-turbo.json"
 exit 0

@@ -352,3 +352,14 @@ def test_splits_rounded_down_stay_within_one_wave():
         assert (down[1] - 1) * down[0] < columns <= down[1] * down[0]
     assert plan.splits(32768, 1, 8, round_="down") == plan.splits(32768, 1, 8, round_="up")
 
+
+
+def test_kernel_names_follow_their_text():
+    """MLX names a kernel's compiled module (in memory and in its PTX cache on disk, shared by processes) after
+    the kernel's name alone: each text gets its own name, so an A/B variant or another plan in a later process
+    never runs a module compiled from another text; the same text keeps its name (the disk cache serves)."""
+    fenced = cuda_source.prologue("fence") + cuda_source.SCALAR_BODY + cuda_source.tail("fence")
+    released = cuda_source.prologue("release") + cuda_source.SCALAR_BODY + cuda_source.tail("release")
+    a, b = cuda_source.kernel_name("mlxkv_decode", fenced), cuda_source.kernel_name("mlxkv_decode", released)
+    assert a != b and a == cuda_source.kernel_name("mlxkv_decode", fenced) and a.isidentifier()
+    assert cuda_source.kernel_name("k", "ab", "c") != cuda_source.kernel_name("k", "a", "bc")  # texts kept apart

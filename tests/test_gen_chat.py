@@ -124,6 +124,18 @@ def test_no_chat_template_is_one_line(tiny_models):
         ChatSession(bare, resolve_policy(KVOptions()))
 
 
+@pytest.mark.parametrize("message", ["", "\nsecond line only", "tool turns need tools\nmore"])
+def test_a_template_that_refuses_is_one_line(tiny_models, message):
+    """A template raising with an empty message (or one whose first line is empty) still gives one line that
+    names what failed, never an IndexError from the message's first line."""
+    lm = load_model(str(tiny_models("llama")))
+    lm.tokenizer._tokenizer.chat_template = "{{ raise_exception(%r) }}" % message
+    with pytest.raises(MlxkvError, match="cannot render this conversation: ") as e:
+        render(lm.tokenizer, [{"role": "user", "content": "hi"}])
+    first = message.splitlines()[0] if message.splitlines() and message.splitlines()[0] else "TemplateError"
+    assert str(e.value).endswith(": " + first) and "\n" not in str(e.value)
+
+
 @pytest.fixture(scope="module")
 def chat_model(tiny_models, tmp_path_factory):
     """The tiny llama folder with a ChatML template in its tokenizer config."""

@@ -163,13 +163,13 @@ def _kernel(bits: int, group: int, pre16: bool):
     key = (bits, group, pre16)
     k = _KERNELS.get(key)
     if k is None:
-        from .cuda_source import compact
+        from .cuda_source import compact, kernel_name
 
         consts = f"constexpr int BITS = {bits};\nconstexpr int G = {group};\nconstexpr bool PRE16 = {str(pre16).lower()};\n"
+        text, head = consts + compact(source_for(bits)), compact(HEADER)
         k = _KERNELS[key] = mx.fast.cuda_kernel(
-            name=f"mlxkv_encode_{bits}_{group}_{int(pre16)}", input_names=["k", "v"],
-            output_names=["w_out", "s_out", "b_out"], source=consts + compact(source_for(bits)),
-            header=compact(HEADER), ensure_row_contiguous=False)
+            name=kernel_name("mlxkv_encode", text, head), input_names=["k", "v"],
+            output_names=["w_out", "s_out", "b_out"], source=text, header=head, ensure_row_contiguous=False)
     return k
 
 

@@ -77,11 +77,11 @@ def _kernel(plan: Plan, fused: bool, has_sink: bool, out_dtype):
     k = _KERNELS.get(key)
     if k is None:
         consts = [*plan.template, ("FUSED", fused), ("HAS_SINK", has_sink), ("OT", _CTYPES[dtype_name(out_dtype)])]
+        text = _source_constants(consts) + body(int(plan.mma), *_special(plan))
+        head = header(bool(plan.mma), cuda_mma.min_blocks(plan.value.dim), _special(plan)[0])
         k = _KERNELS[key] = mx.fast.cuda_kernel(
-            name=f"mlxkv_decode_{len(_KERNELS)}", input_names=src.INPUTS, output_names=src.OUTPUTS,
-            source=_source_constants(consts) + body(int(plan.mma), *_special(plan)),
-            header=header(bool(plan.mma), cuda_mma.min_blocks(plan.value.dim), _special(plan)[0]),
-            ensure_row_contiguous=False, shared_memory=plan.smem)
+            name=src.kernel_name("mlxkv_decode", text, head), input_names=src.INPUTS, output_names=src.OUTPUTS,
+            source=text, header=head, ensure_row_contiguous=False, shared_memory=plan.smem)
     return k
 
 
@@ -122,9 +122,10 @@ def header(mma: bool, blocks: int = cuda_mma.MIN_BLOCKS, special: str = "") -> s
 def _merge_kernel():
     k = _KERNELS.get("merge")
     if k is None:
+        text = src.compact(src.MERGE_SOURCE)
         k = _KERNELS["merge"] = mx.fast.cuda_kernel(
-            name="mlxkv_merge", input_names=src.MERGE_INPUTS, output_names=src.MERGE_OUTPUTS,
-            source=src.compact(src.MERGE_SOURCE), ensure_row_contiguous=True)
+            name=src.kernel_name("mlxkv_merge", text), input_names=src.MERGE_INPUTS, output_names=src.MERGE_OUTPUTS,
+            source=text, ensure_row_contiguous=True)
     return k
 
 

@@ -311,6 +311,17 @@ MERGE_SOURCE = r"""
 """
 
 
+def kernel_name(prefix: str, *texts: str) -> str:
+    """`prefix` and a hash of the kernel's text: MLX names a kernel's compiled module after the name alone, in
+    memory and in its on-disk PTX cache (/tmp/mlx/<version>/ptx, shared by every process), and before
+    ml-explore/mlx#4273 a second source under a used name ran the first one's code. A name per text never meets
+    another text's module, in this process or a later one."""
+    import hashlib
+
+    digest = hashlib.sha1("\0".join(texts).encode()).hexdigest()[:16]
+    return f"{prefix}_{digest}"
+
+
 def compact(text: str) -> str:
     """The text without comments, indentation or blank lines: MLX rebuilds and hashes the kernel
     source on every call, so a shorter one costs less host time per launch."""

@@ -48,14 +48,15 @@ def _kernel(bits: int, dim: int, dtype):
     key = (bits, dim, dtype)
     k = _KERNELS.get(key)
     if k is None:
-        from ..attention.cuda_source import compact
+        from ..attention.cuda_source import compact, kernel_name
 
         ot = {mx.bfloat16: "__nv_bfloat16", mx.float16: "__half", mx.float32: "float"}[dtype]
         consts = (f"constexpr int BITS = {bits};\nconstexpr int D = {dim};\ntypedef {ot} OT;\n"
                   f"typedef {'uint32_t' if bits <= 4 else 'unsigned long long'} WT;\n")
+        text = consts + compact(SOURCE)
         k = _KERNELS[key] = mx.fast.cuda_kernel(
-            name=f"mlxkv_turbo_decode_{bits}_{dim}_{str(dtype).rsplit('.', 1)[-1]}", input_names=["p", "s", "cb"],
-            output_names=["out"], source=consts + compact(SOURCE), ensure_row_contiguous=False)
+            name=kernel_name("mlxkv_turbo_decode", text), input_names=["p", "s", "cb"],
+            output_names=["out"], source=text, ensure_row_contiguous=False)
     return k
 
 

@@ -25,7 +25,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from ..errors import MlxkvError
+from ..errors import MlxkvError, first_line
 from .prompt import has_chat_template
 
 FORMAT, VERSION = "mlxkv-chat", 1
@@ -44,7 +44,7 @@ def render(tokenizer, messages: list[dict], add_generation_prompt: bool = True) 
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     except Exception as e:  # jinja errors: a template that refuses this conversation
-        raise MlxkvError(f"the chat template cannot render this conversation: {str(e).splitlines()[0]}") from None
+        raise MlxkvError(f"the chat template cannot render this conversation: {first_line(e, None)}") from None
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ..errors import MlxkvError
+from ..errors import MlxkvError, first_line
 
 KINDS = ("json_schema", "regex", "grammar")
 FLAGS = {"json_schema": "--json-schema", "regex": "--regex", "grammar": "--grammar"}
@@ -79,7 +79,7 @@ class ConstraintSpec:
             try:
                 schema = json.loads(self.source)
             except (json.JSONDecodeError, RecursionError) as e:
-                raise MlxkvError(f"--json-schema is not JSON: {str(e).splitlines()[0]}") from None
+                raise MlxkvError(f"--json-schema is not JSON: {first_line(e, None)}") from None
             if not isinstance(schema, (dict, bool)):
                 raise MlxkvError("--json-schema must be a JSON object (a schema)")
 

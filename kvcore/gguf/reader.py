@@ -22,7 +22,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from kvcore.errors import MlxkvError
+from kvcore.errors import MlxkvError, first_line
 from kvcore.gguf import kquants
 
 # ggml type id -> (name, elements per block, bytes per block)
@@ -228,7 +228,7 @@ def read_gguf(path: str | Path) -> GGUFFile:
     try:
         tensors, meta = mx.load(str(path), return_metadata=True)
     except (RuntimeError, ValueError) as e:
-        raise MlxkvError(f"corrupt GGUF {path}: {str(e).splitlines()[0]}") from None
+        raise MlxkvError(f"corrupt GGUF {path}: {first_line(e, None)}") from None
     for info in infos.values():
         if info.type_name in REDECODED:
             _redecode(path, info, tensors)
