@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call (under 9 minutes): the decode defaults of run 11 checked and timed, most valuable first, each
+# One device call (about 9.5 minutes): the decode defaults of run 11 checked and timed, most valuable first, each
 # part under its own time limit; everything lands in $OUT/results.tgz, re-packed after every step
 # (scripts/gpu_steps.sh), so a call cut off at its limit keeps what finished.
 #   source /var/tmp/mlxw/gpu-env.sh && OUT=/some/folder bash scripts/gpu_session.sh
@@ -11,8 +11,11 @@
 #    affine:3 (the code-chunk body's first run in a model);
 # 3. the bench against mlx-lm bf16 in the same process at 512, 32k and 128k, 3 interleaved repeats (2 at 128k):
 #    issue 13's P0 (affine:4 at 512 >= 0.97x) and P2 (affine:4 >= 1.15x at 32k, >= 1.4x at 128k; affine:8 >= 1.05x);
-# 4. form 3 against form 1, both with the release arrival, at 32k and 128k (run 11's form 3 cases were cut off).
-# The turbo A/B and the 128k prefill probe are scripts/gpu_session_turbo.sh; the whole suite is scripts/gpu_suite.sh.
+# 4. form 1 with the next tile's keys loaded a tile ahead (MLXKV_CUDA_PREFETCH=1, new, built on CPU: 127 registers
+#    at 4 blocks an SM, 142 at 3; one wait per tile instead of two): its device tests (admission check, bit for bit
+#    form 1), then the A/B at 32k and 128k against form 1: at 4 blocks an SM, and at 3 with 396 target blocks.
+# Form 3 is left out (tied or lost in runs 8-11). The turbo A/B and the 128k prefill probe are
+# scripts/gpu_session_turbo.sh; the whole suite is scripts/gpu_suite.sh.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 TAIL_LINES=10 source scripts/gpu_steps.sh
@@ -20,11 +23,13 @@ python3 -c "import mlx.core as mx, mlx_lm; print('device', mx.default_device(), 
 step tests 100 python3 -m pytest -q -p no:cacheprovider -n 16 --timeout 90 -rfEs tests/test_cuda_mma.py \
   tests/test_cuda_decode.py tests/test_cuda_steady.py tests/test_cuda_chunk_mma.py tests/test_cuda_encode.py \
   tests/test_cuda_turbo_decode.py
-step e2e 60 python3 scripts/gpu_kernel_e2e.py --shape llama-1b --steps 400
-step e2e-affine3 40 python3 scripts/gpu_kernel_e2e.py --shape llama-1b --scheme affine:3 --steps 200
-step bench 230 python3 scripts/gpu_bench.py --contexts 512,32768,131072 --no-prefill --repeats 3 --budget-s 210 \
+step tests-prefetch 50 env MLXKV_CUDA_PREFETCH=1 python3 -m pytest -q -p no:cacheprovider -n 16 --timeout 45 -rfEs \
+  tests/test_cuda_prefetch.py tests/test_cuda_mma.py
+step e2e 50 python3 scripts/gpu_kernel_e2e.py --shape llama-1b --steps 400
+step e2e-affine3 35 python3 scripts/gpu_kernel_e2e.py --shape llama-1b --scheme affine:3 --steps 200
+step ab-prefetch 130 env OUT="$RES" CONTEXTS="32768 131072" VARIANTS="MLXKV_CUDA_MMA=1 \
+MLXKV_CUDA_PREFETCH=1,MLXKV_CUDA_MIN_BLOCKS=4 MLXKV_CUDA_PREFETCH=1,MLXKV_CUDA_TARGET_BLOCKS=396" bash scripts/gpu_kernel_ab.sh
+step bench 200 python3 scripts/gpu_bench.py --contexts 512,32768,131072 --no-prefill --repeats 3 --budget-s 180 \
   --only mlx-lm/bf16,mlxkv/full/False,mlxkv/affine:4/default,mlxkv/affine:4/True,mlxkv/affine:8/True \
   --output "$RES/h200-llama-8b-run12.json"
-step ab-form3 90 env OUT="$RES" CONTEXTS="32768 131072" VARIANTS="MLXKV_CUDA_MMA=1 MLXKV_CUDA_MMA=3" \
-  bash scripts/gpu_kernel_ab.sh
 exit 0

@@ -10,7 +10,7 @@ from functools import cache
 
 import mlx.core as mx
 
-from . import cuda_chunk_mma, cuda_form3, cuda_mma, cuda_stage, cuda_turbo_mma
+from . import cuda_chunk_mma, cuda_form3, cuda_mma, cuda_prefetch, cuda_stage, cuda_turbo_mma
 from . import cuda_source as src
 from .cuda_launch import THREADS, Plan, Side
 
@@ -73,12 +73,14 @@ _CTYPES = {"bfloat16": "__nv_bfloat16", "float16": "__half", "float32": "float"}
 
 def _kernel(plan: Plan, fused: bool, has_sink: bool, out_dtype):
     """The decode kernel object for a plan (its constants in its source), made once."""
-    key = ("decode", plan, fused, has_sink, out_dtype)
+    special = _special(plan)  # opt-in bodies are read from the environment: a kernel per body
+    key = ("decode", plan, fused, has_sink, out_dtype, special)
     k = _KERNELS.get(key)
     if k is None:
         consts = [*plan.template, ("FUSED", fused), ("HAS_SINK", has_sink), ("OT", _CTYPES[dtype_name(out_dtype)])]
-        text = _source_constants(consts) + body(int(plan.mma), *_special(plan))
-        head = header(bool(plan.mma), cuda_mma.min_blocks(plan.value.dim), _special(plan)[0])
+        blocks = cuda_mma.min_blocks(plan.value.dim)
+        text = _source_constants(consts) + body(int(plan.mma), *special)
+        head = header(bool(plan.mma), cuda_prefetch.min_blocks(blocks) if special[0] == "prefetch" else blocks, special[0])
         k = _KERNELS[key] = mx.fast.cuda_kernel(
             name=src.kernel_name("mlxkv_decode", text, head), input_names=src.INPUTS, output_names=src.OUTPUTS,
             source=text, header=head, ensure_row_contiguous=False, shared_memory=plan.smem)
@@ -92,6 +94,8 @@ def _special(plan: Plan) -> tuple[str, int, int]:
         return "turbo", plan.key.dim, plan.value.dim
     if plan.mma and plan.key.kind == "affine" and not cuda_mma.word_fits(plan.key, plan.value):
         return "chunk", plan.key.dim, plan.value.dim
+    if int(plan.mma) == 1 and cuda_prefetch.enabled():  # the word body with its keys a tile ahead (opt-in)
+        return "prefetch", 0, 0
     return "", 0, 0
 
 
@@ -105,6 +109,8 @@ def body(mma: int, special: str = "", key_dim: int = 0, value_dim: int = 0) -> s
         main = cuda_turbo_mma.body(value_dim)
     elif special == "chunk":
         main = cuda_chunk_mma.body(key_dim, value_dim)
+    elif special == "prefetch":
+        main = cuda_mma.PRELUDE + cuda_mma.QUERIES + cuda_prefetch.LOOP_AHEAD + cuda_mma.MERGE
     else:
         main = bodies[int(mma)]
     return src.compact(src.prologue() + main + src.tail())

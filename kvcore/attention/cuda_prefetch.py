@@ -1,0 +1,94 @@
+"""Form 1 with the next tile's keys in flight (`MLXKV_CUDA_PREFETCH=1`, opt-in until checked and timed on the
+H200): the affine word body's loop (`cuda_mma.LOOP`) with its key loads moved one tile ahead.
+
+Run 11's source counters at 32k put 35% of form 1's stall samples on the first use of a loaded key word and
+20% on the first use of the scores: each warp issues a tile's key loads and waits for them at once, so an SM
+has at most its 16 warps' current tiles in flight, and the kernel reads 0.6-1.2 TB/s of the H200's ~4.3. Here a
+warp loads tile t + 1's key words, scales and biases (into `wn`, `s2n`, `z2n`) as soon as tile t's scores are
+computed, so they arrive while tile t's softmax, value loads and value products run:
+
+```
+before the loop:  keys of the warp's first tile -> wn
+tile t:           S = Q K^T from wn;  keys of tile t + 1 -> wn;  softmax, V loads, O += V^T P^T
+```
+The same loads, the same arithmetic and order of accumulation (so the same results bit for bit); the tile's
+page (paged rows) is `TILE_PAGE`'s one-tile-ahead lookup, which is exactly the page the prefetch needs. It
+costs ~12 registers across the loop (two tokens' key words and their groups' scales): over the 128 that 4
+blocks per SM leave, so this form is built for `MLXKV_CUDA_MIN_BLOCKS` = 3 unless that is set.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .cuda_mma import KEY_LOAD, KEY_MMA, KEY_SCALES, LOOP, PAGE_AHEAD
+
+BLOCKS = 3  # blocks per SM this form is built for (168 registers a thread) unless MLXKV_CUDA_MIN_BLOCKS says
+
+
+def enabled() -> bool:
+    return os.environ.get("MLXKV_CUDA_PREFETCH", "0") == "1"
+
+
+def min_blocks(default: int) -> int:
+    return int(os.environ["MLXKV_CUDA_MIN_BLOCKS"]) if "MLXKV_CUDA_MIN_BLOCKS" in os.environ else min(default, BLOCKS)
+
+
+def _swap(text: str, pairs: list[tuple[str, str]]) -> str:
+    for old, new in pairs:
+        if old not in text:  # a changed piece must not leave a silent no-op (the default timed as the variant)
+            raise AssertionError(f"cuda_prefetch: {old!r} not in the piece it rewrites")
+        text = text.replace(old, new)
+    return text
+
+
+# the key pieces writing into (and reading from) the prefetch registers of token row nb
+LOAD = _swap(KEY_LOAD, [("      uint32_t w[WTK];\n", ""), ("load_words<WTK>(w,", "load_words<WTK>(wn[nb],")])
+SCALES = _swap(KEY_SCALES, [("      __half2 s2[NGT], z2[NGT];\n", ""), ("s2[u] =", "s2n[nb][u] ="),
+                            ("z2[u] =", "z2n[nb][u] =")])
+MMA = _swap(KEY_MMA, [("w[j]", "wn[nb][j]"), ("s2[u]", "s2n[nb][u]"), ("z2[u]", "z2n[nb][u]")])
+
+
+def load_tile(first: str) -> str:
+    """The key loads of the warp's tile starting at token `first` (a C expression), page `pb_next`."""
+    return (r"""
+#pragma unroll
+      for (int nb = 0; nb < 2; nb++) {
+        const int t = min(""" + first + r""" + 8 * nb + g, t_end - 1);
+        const int pb = pb_next, tp = PAGED ? t % PAGE : t;
+""" + LOAD + SCALES + "      }\n")
+
+
+SCORES = r"""    // scores of tokens t0 + 8 nb + (2c, 2c + 1) for query vector g
+    float s[2][4];
+#pragma unroll
+    for (int nb = 0; nb < 2; nb++) {
+      const int t = min(t0 + 8 * nb + g, t_end - 1);
+      const int pb = pbt, tp = PAGED ? t % PAGE : t;
+""" + KEY_LOAD + KEY_SCALES + r"""      s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.f;
+#pragma unroll
+      for (int i = 0; i < NKB; i++) {
+""" + KEY_MMA + r"""        mma16816(s[nb], qa[i][0], 0u, qa[i][1], 0u, b0, b1);
+      }
+    }
+"""
+
+PREFETCHED_SCORES = r"""    // scores of tokens t0 + 8 nb + (2c, 2c + 1) for query vector g, from the keys loaded a tile ago
+    float s[2][4];
+#pragma unroll
+    for (int nb = 0; nb < 2; nb++) {
+      s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.f;
+#pragma unroll
+      for (int i = 0; i < NKB; i++) {
+""" + MMA + r"""        mma16816(s[nb], qa[i][0], 0u, qa[i][1], 0u, b0, b1);
+      }
+    }
+    if (t0 + 16 * NWARP < t_end) {  // the next tile's keys, in flight through the rest of this tile
+""" + load_tile("t0 + 16 * NWARP") + "    }\n"
+
+FIRST = r"""  uint32_t wn[2][WTK];
+  __half2 s2n[2][NGT], z2n[2][NGT];
+  if (t_begin + 16 * warp < t_end) {
+""" + load_tile("t_begin + 16 * warp") + "  }\n"
+
+LOOP_AHEAD = _swap(LOOP, [(SCORES, PREFETCHED_SCORES), (PAGE_AHEAD, PAGE_AHEAD + FIRST)])
