@@ -1,6 +1,6 @@
-"""Form 1 with the next tile's keys loaded a tile ahead (kvcore/attention/cuda_prefetch.py, MLXKV_CUDA_PREFETCH=1):
-on CPU, that its text is form 1's loop with exactly the key loads moved (the same arithmetic in the same order);
-on CUDA, that it passes the admission check and gives form 1's outputs bit for bit."""
+"""Form 1 with the next tile's keys (MLXKV_CUDA_PREFETCH=1), or keys and values (=2), loaded a tile ahead
+(kvcore/attention/cuda_prefetch.py): on CPU, that its text is form 1's loop with exactly the loads moved (the same
+arithmetic in the same order); on CUDA, that it passes the admission check and gives form 1's outputs bit for bit."""
 
 from __future__ import annotations
 
@@ -24,18 +24,30 @@ def test_the_loop_reads_keys_loaded_a_tile_ahead():
         assert loop[loop.index(piece):] == cuda_mma.LOOP[cuda_mma.LOOP.index(piece):]
 
 
+def test_values_are_loaded_once_their_products_are_done():
+    loop = cuda_prefetch.LOOP_AHEAD_VALUES
+    body = loop[loop.index("for (int t0 = t_begin"):]
+    assert loop.count("load_words<WTV>(vwd[k],") == 2 and "uint32_t vwd[4][WTV]" not in body  # before, and ahead
+    assert body.index("mma16816(acc[m]") < body.index("load_words<WTV>") and body.index("const int pb = pb_next,") < body.index("load_words<WTV>")
+    assert loop.index("uint32_t vwd[4][WTV]") < loop.index("for (int t0 = t_begin")
+
+
 def test_where_the_prefetch_body_applies(monkeypatch):
     a4 = Side("affine", 4, 64, 128)
     plan = Plan(a4, a4, 4, 1, False, 1)
     monkeypatch.delenv("MLXKV_CUDA_PREFETCH", raising=False)
     assert cuda_kernels._special(plan) == ("", 0, 0)
     monkeypatch.setenv("MLXKV_CUDA_PREFETCH", "1")
-    assert cuda_kernels._special(plan) == ("prefetch", 0, 0)
+    assert cuda_kernels._special(plan) == ("prefetch", 1, 0)
     assert cuda_kernels._special(Plan(a4, a4, 4, 1, False, 3)) == ("", 0, 0)  # form 1 only
     a3 = Side("affine", 3, 64, 128)
     assert cuda_kernels._special(Plan(a3, a3, 4, 1, False, 1))[0] == "chunk"  # its own loop
-    text = cuda_kernels.body(1, "prefetch")
+    text = cuda_kernels.body(1, "prefetch", 1)
     assert "wn[nb][j]" in text and text != cuda_kernels.body(1)
+    monkeypatch.setenv("MLXKV_CUDA_PREFETCH", "2")
+    assert cuda_kernels._special(plan) == ("prefetch", 2, 0)
+    both = cuda_kernels.body(1, "prefetch", 2)
+    assert both != text and "wn[nb][j]" in both
     monkeypatch.delenv("MLXKV_CUDA_MIN_BLOCKS", raising=False)
     assert cuda_prefetch.min_blocks(4) == 3 and cuda_prefetch.min_blocks(2) == 2
     monkeypatch.setenv("MLXKV_CUDA_MIN_BLOCKS", "4")
@@ -48,15 +60,17 @@ def test_where_the_prefetch_body_applies(monkeypatch):
                                                                 (2, 32, 2, 32, 64, 8, 1, False),
                                                                 (4, 64, 4, 64, 128, 4, 1, True)])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_the_prefetch_body_is_form_1_bit_for_bit_on_the_device(monkeypatch, kb, kg, vb, vg, dim, rep, n, paged, dtype):
+@pytest.mark.parametrize("level", ["1", "2"])
+def test_the_prefetch_body_is_form_1_bit_for_bit_on_the_device(monkeypatch, kb, kg, vb, vg, dim, rep, n, paged, dtype,
+                                                               level):
     plan = Plan(Side("affine", kb, kg, dim), Side("affine", vb, vg, dim), rep, n, paged, 1)
     q_dtype = getattr(mx, dtype)
     q, launch, _, sinks, scale, split = check_inputs(plan, q_dtype, seed=3)
     outs = {}
-    for on in ("0", "1"):
+    for on in ("0", level):
         monkeypatch.setenv("MLXKV_CUDA_PREFETCH", on)
         assert check_plan(plan, q_dtype, seed=1) is None
         outs[on] = cuda_kernels.partials(q, launch, plan, scale, 2, split, sinks=sinks, fused=True)
         mx.eval(outs[on])
-    for a, b in zip(outs["0"], outs["1"]):
+    for a, b in zip(outs["0"], outs[level]):
         assert mx.array_equal(a, b).item()

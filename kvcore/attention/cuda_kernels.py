@@ -94,8 +94,8 @@ def _special(plan: Plan) -> tuple[str, int, int]:
         return "turbo", plan.key.dim, plan.value.dim
     if plan.mma and plan.key.kind == "affine" and not cuda_mma.word_fits(plan.key, plan.value):
         return "chunk", plan.key.dim, plan.value.dim
-    if int(plan.mma) == 1 and cuda_prefetch.enabled():  # the word body with its keys a tile ahead (opt-in)
-        return "prefetch", 0, 0
+    if int(plan.mma) == 1 and cuda_prefetch.enabled():  # the word body with its loads a tile ahead (opt-in)
+        return "prefetch", cuda_prefetch.level(), 0
     return "", 0, 0
 
 
@@ -109,8 +109,9 @@ def body(mma: int, special: str = "", key_dim: int = 0, value_dim: int = 0) -> s
         main = cuda_turbo_mma.body(value_dim)
     elif special == "chunk":
         main = cuda_chunk_mma.body(key_dim, value_dim)
-    elif special == "prefetch":
-        main = cuda_mma.PRELUDE + cuda_mma.QUERIES + cuda_prefetch.LOOP_AHEAD + cuda_mma.MERGE
+    elif special == "prefetch":  # key_dim: the prefetch level (1: keys, 2: keys and values)
+        loop = cuda_prefetch.LOOP_AHEAD_VALUES if key_dim == 2 else cuda_prefetch.LOOP_AHEAD
+        main = cuda_mma.PRELUDE + cuda_mma.QUERIES + loop + cuda_mma.MERGE
     else:
         main = bodies[int(mma)]
     return src.compact(src.prologue() + main + src.tail())

@@ -1,5 +1,6 @@
 """Form 1 with the next tile's keys in flight (`MLXKV_CUDA_PREFETCH=1`, opt-in until checked and timed on the
-H200): the affine word body's loop (`cuda_mma.LOOP`) with its key loads moved one tile ahead.
+H200): the affine word body's loop (`cuda_mma.LOOP`) with its key loads moved one tile ahead; with
+`MLXKV_CUDA_PREFETCH=2` its value loads too.
 
 Run 11's source counters at 32k put 35% of form 1's stall samples on the first use of a loaded key word and
 20% on the first use of the scores: each warp issues a tile's key loads and waits for them at once, so an SM
@@ -15,19 +16,27 @@ The same loads, the same arithmetic and order of accumulation (so the same resul
 page (paged rows) is `TILE_PAGE`'s one-tile-ahead lookup, which is exactly the page the prefetch needs. It
 costs ~12 registers across the loop (two tokens' key words and their groups' scales): over the 128 that 4
 blocks per SM leave, so this form is built for `MLXKV_CUDA_MIN_BLOCKS` = 3 unless that is set.
+With values too (`=2`), tile t + 1's value words, scales and biases are loaded once tile t's value products
+are done, so they arrive during tile t + 1's key products and softmax: no wait on a load inside a tile.
 """
 
 from __future__ import annotations
 
 import os
 
-from .cuda_mma import KEY_LOAD, KEY_MMA, KEY_SCALES, LOOP, PAGE_AHEAD
+from .cuda_mma import KEY_LOAD, KEY_MMA, KEY_SCALES, LOOP, PAGE_AHEAD, VALUE_DECL, VALUE_LOADS, VALUES
 
 BLOCKS = 3  # blocks per SM this form is built for (168 registers a thread) unless MLXKV_CUDA_MIN_BLOCKS says
 
 
+def level() -> int:
+    """MLXKV_CUDA_PREFETCH: 0 (default) off, 1 keys a tile ahead, 2 keys and values."""
+    v = os.environ.get("MLXKV_CUDA_PREFETCH", "0")
+    return int(v) if v in ("1", "2") else 0
+
+
 def enabled() -> bool:
-    return os.environ.get("MLXKV_CUDA_PREFETCH", "0") == "1"
+    return level() > 0
 
 
 def min_blocks(default: int) -> int:
@@ -92,3 +101,24 @@ FIRST = r"""  uint32_t wn[2][WTK];
 """ + load_tile("t_begin + 16 * warp") + "  }\n"
 
 LOOP_AHEAD = _swap(LOOP, [(SCORES, PREFETCHED_SCORES), (PAGE_AHEAD, PAGE_AHEAD + FIRST)])
+
+
+def load_values(first: str) -> str:
+    """The value loads of the warp's tile starting at token `first`, page `pb_next`, into vwd / vsc / vbi."""
+    return _swap(VALUE_LOADS, [(VALUE_DECL, ""), ("    __half vsc[4], vbi[4];\n", ""),
+                               ("min(t0 + 2 * c", "min(" + first + " + 2 * c"), ("const int pb = pbt,", "const int pb = pb_next,")])
+
+
+FIRST_VALUES = VALUE_DECL + r"""  __half vsc[4], vbi[4];
+  if (t_begin + 16 * warp < t_end) {
+""" + load_values("t_begin + 16 * warp") + "  }\n"
+
+NEXT_VALUES = r"""    if (t0 + 16 * NWARP < t_end) {  // the next tile's values, in flight through its key products and softmax
+""" + load_values("t0 + 16 * NWARP") + "    }\n"
+
+LOOP_AHEAD_VALUES = _swap(LOOP_AHEAD, [(PAGE_AHEAD + FIRST, PAGE_AHEAD + FIRST + FIRST_VALUES),
+                                       (VALUE_LOADS + VALUES, VALUES + NEXT_VALUES)])
+
+
+def loop() -> str:
+    return LOOP_AHEAD_VALUES if level() == 2 else LOOP_AHEAD
