@@ -17,6 +17,7 @@ host code, never for speed claims (a stand-in costs about what a real kernel cal
 not to encode).
 
     python scripts/host_step.py [--kinds mlx-lm,default,kernel,packed-kernel] [--layers 32] [--context 500]
+                                [--scheme affine:4 | turbo:k4v3 | ...]
 
 Kinds: mlx-lm, default (the shipped config), portable (every kernel off), kernel (forced at every
 length), packed-kernel / packed-portable (4 packed rows), paged / paged-kernel (4 paged rows).
@@ -60,12 +61,13 @@ def stand_in() -> None:
     cuda_encode.check = lambda *a: None
 
 
-def caches(kind: str, layers: int, rows: int, context: int, heads: int, dim: int, dtype=mx.bfloat16) -> list:
+def caches(kind: str, layers: int, rows: int, context: int, heads: int, dim: int, dtype=mx.bfloat16,
+           scheme: str = "affine:4") -> list:
     from mlx_lm.models.cache import KVCache
 
     from kvcore.attention.config import AttentionConfig
+    from kvcore.bench.grid import scheme_policy
     from kvcore.cache import BatchCompressedKVCache, CompressedKVCache
-    from kvcore.codecs import CodecSpec
 
     att = {"default": AttentionConfig(), "portable": AttentionConfig(cuda_kernel=False, paged=False),
            "paged": AttentionConfig(cuda_kernel=False, paged=True),
@@ -76,7 +78,8 @@ def caches(kind: str, layers: int, rows: int, context: int, heads: int, dim: int
     for _ in range(layers):
         made = []
         for b in range(rows):
-            c = KVCache() if kind == "mlx-lm" else CompressedKVCache(CodecSpec("affine", 4, 64), start=0, attention=att)
+            pol = scheme_policy(scheme)
+            c = KVCache() if kind == "mlx-lm" else CompressedKVCache(pol.codec, pol.value_codec, start=0, attention=att)
             k = mx.random.normal((1, heads, context + 10 * b, dim)).astype(dtype)
             c.update_and_fetch(k, k)
             made.append(c)
@@ -129,6 +132,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--stand-in", choices=("auto", "yes", "no"), default="auto")
     ap.add_argument("--dtype", default="bfloat16", help="K/V and query dtype (float32 for real CPU runs: bf16 is slow there)")
+    ap.add_argument("--scheme", default="affine:4", help="the KV scheme of mlxkv's kinds (e.g. turbo:k4v3)")
     a = ap.parse_args()
     from kvcore.backend import backend_name, versions
 
@@ -144,7 +148,7 @@ def main() -> None:
         if k not in KINDS:
             raise SystemExit(f"unknown kind {k!r} (known: {', '.join(KINDS)})")
     batched = lambda k: k.startswith(("packed", "paged"))
-    sets = {k: caches(k, a.layers, a.rows if batched(k) else 1, a.context, heads, dim, dtype) for k in kinds}
+    sets = {k: caches(k, a.layers, a.rows if batched(k) else 1, a.context, heads, dim, dtype, a.scheme) for k in kinds}
     shape = {k: (a.rows if batched(k) else 1, heads, dim, q_heads, dtype) for k in kinds}
     best: dict = {}
     for _ in range(a.repeats):
@@ -158,7 +162,7 @@ def main() -> None:
         u, t = best[k]
         rows.append({"kind": k, "update_us": round(u, 2), "attention_us": round(t, 2), "total_us": round(u + t, 2),
                      "x_first": round((u + t) / base, 2), "python_calls": round(python_calls(sets[k], 320, *shape[k]), 1),
-                     "rows": shape[k][0], "layers": a.layers, "context": a.context, "real_kernels": real,
+                     "rows": shape[k][0], "scheme": None if k == "mlx-lm" else a.scheme, "layers": a.layers, "context": a.context, "real_kernels": real,
                      "backend": "cpu (CUDA paths with stand-ins)" if stood_in else backend_name(), "dtype": a.dtype,
                      **versions()})
         print(json.dumps(rows[-1]), flush=True)

@@ -14,6 +14,7 @@ from kvcore.attention import blockwise, cuda_decode, cuda_kernels
 from kvcore.attention.config import AttentionConfig
 from kvcore.attention.cuda_kernels import Launch
 from kvcore.attention.hook import _sdpa
+from kvcore.attention.rotated import in_rotated_basis
 from kvcore.backend import backend_name
 from kvcore.cache import BatchCompressedKVCache, CompressedKVCache
 from kvcore.codecs import CodecSpec
@@ -103,28 +104,61 @@ def test_a_steady_decode_launch_is_the_general_launch(emulated, monkeypatch, bit
     assert {f for f, _, _ in emulated} == {fused}
 
 
-def test_packed_rows_launch_from_their_recipe(emulated):
+@pytest.mark.parametrize("kbits,vbits,sinks", [(4, 3, True), (4, 4, False)])
+def test_a_steady_turbo_launch_is_the_general_launch(emulated, kbits, vbits, sinks):
+    """TurboQuant layers (a key and a value set, not joint storage; attended in the rotated basis): from the second
+    step each launch comes straight from hook._sdpa with the cache's recipe, the query rotated and the output
+    rotated back as `in_rotated_basis` does, and equals the general path's launch and the portable attention."""
+    mx.random.seed(kbits * 10 + vbits)
+    cache = CompressedKVCache(CodecSpec("turbo", kbits), CodecSpec("turbo", vbits), start=0, attention=KERNEL)
+    cache.update_and_fetch(mx.random.normal((1, 2, 150, 64)), mx.random.normal((1, 2, 150, 64)))
+    sk = mx.random.normal((8,)) if sinks else None
+
+    def general(q, view):
+        attend = lambda qq, v, scale, s: cuda_decode.attend(qq, cuda_decode.view_launches(qq, v), v.heads, scale, s)
+        return in_rotated_basis(attend, q, view, 0.125, sk)
+
+    for step in range(3):
+        view, _ = cache.update_and_fetch(mx.random.normal((1, 2, 1, 64)), mx.random.normal((1, 2, 1, 64)))
+        assert view.steady and view.segments[0].joint is None
+        assert view.launch is (cuda_decode.kept_launch if step else None)
+        q = mx.random.normal((1, 8, 1, 64))
+        got = _sdpa(q, view, view, cache, 0.125, None, sinks=sk)
+        want = blockwise.kv_attention(q, view, 0.125, sk, config=PORTABLE)
+        assert _close(got, want), step
+        assert np.array_equal(np.array(got), np.array(general(q, view))), step
+    assert cache.stats.calls.get("cuda-kernel") == 3
+
+
+@pytest.mark.parametrize("specs", [(CodecSpec("affine", 4, 32),), (CodecSpec("turbo", 4), CodecSpec("turbo", 3))],
+                         ids=["affine4-joint", "turbo-k4v3"])
+def test_packed_rows_launch_from_their_recipe(emulated, specs):
     """Uneven packed rows (the batch engine's decode): the launch from the rows' recipe equals the
-    portable attention and the general path, as the rows grow and after one leaves."""
+    portable attention and the general path, as the rows grow and after one leaves; TurboQuant rows (a key and
+    a value set, attended in the rotated basis) launch from their recipe too."""
     mx.random.seed(7)
     rows = []
     for n in (5, 300, 130):
-        c = CompressedKVCache(CodecSpec("affine", 4, 32), start=0, attention=KERNEL)
+        c = CompressedKVCache(*specs, start=0, attention=KERNEL)
         c.update_and_fetch(mx.random.normal((1, 2, n, 64)), mx.random.normal((1, 2, n, 64)))
         rows.append(c)
     batch = BatchCompressedKVCache(rows)
+
+    def general(q, pv):
+        attend = lambda qq, v, scale, sk: cuda_decode.attend(qq, cuda_decode.packed_launches(qq, v), v.heads, scale, sk)
+        return in_rotated_basis(attend, q, pv, 0.125, None)
+
     for step in range(4):
         if step == 2:
             batch.filter([0, 2])
         B = batch.batch_size
         pv, _ = batch.update_and_fetch(mx.random.normal((B, 2, 1, 64)), mx.random.normal((B, 2, 1, 64)))
-        assert pv.memo is not None and pv.joint is not None
+        assert pv.memo is not None and (pv.joint is not None) == (len(specs) == 1)
         q = mx.random.normal((B, 8, 1, 64))
         got = _sdpa(q, pv, pv, batch, 0.125, None)
-        general = cuda_decode.attend(q, cuda_decode.packed_launches(q, pv), pv.heads, 0.125, None)
         want = blockwise.packed_attention(q, pv, 0.125, None, config=PORTABLE)
         assert _close(got, want), step
-        assert np.array_equal(np.array(got), np.array(general)), step
+        assert np.array_equal(np.array(got), np.array(general(q, pv))), step
     assert any(k[0] == "packed kernel" for k in batch.packed.template.memo if isinstance(k, tuple))
 
 

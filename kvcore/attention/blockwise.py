@@ -55,9 +55,8 @@ def kv_attention(q: mx.array, view: KVView, scale: float, sinks: mx.array | None
     keep = view.memo is not None and view.steady and (config is None or config == view.config)  # the cache's own
     if out is not None:
         _count(stats, "cuda-kernel")
-        seg = view.segments[0]
-        if keep and seg.joint is not None and seg.rotation is None:
-            view.memo["launch"] = cuda_decode.kept_launch  # the layer's next steps go straight to it (hook._sdpa)
+        if keep:  # the layer's next steps go straight to it (hook._sdpa), in the rotated basis where this one was
+            view.memo["launch"] = cuda_decode.kept_launch
         return out
     kv, sc = _sizes(q, view)
     segs = view.segments

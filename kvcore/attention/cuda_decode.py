@@ -32,6 +32,7 @@ from .config import DEFAULT
 from .cuda_kernels import (
     Q_TYPES,
     Launch,
+    arrays_launch,
     dtype_name,
     dummy,
     fusable,
@@ -249,19 +250,23 @@ def _steady(q: mx.array, view, scale: float, sinks) -> mx.array | None:
     derived once and kept in the cache's memo, so a step pays for the launch alone. The same
     launch as `attend(view_launches(...))`."""
     seg = view.segments[0]
-    if seg.joint is None:
-        return attend(q, view_launches(q, view), view.heads, scale, sinks)
     recipe = _kept_recipe(q, view, ("kernel", seg.rotation, sinks is not None), view_launches)
     if recipe is None:
         return None
     return _steady_launch(q, view, recipe, scale, sinks)
 
 
-def _steady_launch(q: mx.array, view, recipe: tuple, scale: float, sinks) -> mx.array:
-    """The launch of a steady view's one joint segment from its recipe."""
+def _steady_launch(q: mx.array, view, recipe: tuple, scale: float, sinks) -> mx.array | None:
+    """The launch of a steady view's one segment from its recipe: joint storage, or a key and a value set
+    (TurboQuant, mixed codecs) read from the segment's parts; None where those are not the kernel's arrays."""
     seg = view.segments[0]
     rows = _rows((-BIG, view.q_start + 1 - seg.start, seg.length), q.shape[0])
-    return joint_launch(q, recipe, seg.joint, rows, seg.length, view.heads, scale, sinks)
+    if seg.joint is not None:
+        return joint_launch(q, recipe, seg.joint, rows, seg.length, view.heads, scale, sinks)
+    ka, va = _codec_arrays(recipe[1][0], seg.keys), _codec_arrays(recipe[2][0], seg.values)
+    if ka is None or va is None:
+        return None
+    return arrays_launch(q, recipe, ka, va, 0, rows, seg.length, view.heads, scale, sinks)
 
 
 def kept_launch(q: mx.array, view, scale: float, sinks) -> mx.array | None:
@@ -272,13 +277,18 @@ def kept_launch(q: mx.array, view, scale: float, sinks) -> mx.array | None:
     seg = view.segments[0]
     if q.shape[2] > MAX_QUERIES or (view.config or DEFAULT).cuda_min_tokens > q.shape[0] * seg.length:
         return None
-    recipe = view.memo.get(("kernel", None, sinks is not None, q.dtype, q.shape[1], q.shape[2]))
+    rot = view.memo.get("rotation", _MISS)  # a rotation codec's layer attends in its basis (`in_rotated_basis`)
+    if rot is _MISS:
+        return None
+    recipe = view.memo.get(("kernel", rot, sinks is not None, q.dtype, q.shape[1], q.shape[2]))
     if recipe is None or recipe is _MISS:
         return None
-    out = _steady_launch(q, view, recipe, scale, sinks)
+    out = _steady_launch(q if rot is None else rot.forward(q).astype(q.dtype), view, recipe, scale, sinks)
+    if out is None:
+        return None
     if view.stats is not None:
         view.stats.record("cuda-kernel")
-    return out
+    return out if rot is None else rot.inverse(out, q.dtype)
 
 
 def _kept_recipe(q: mx.array, view, name: tuple, launches) -> tuple | None:
@@ -310,13 +320,19 @@ def packed_attention(q: mx.array, view, scale: float, sinks=None) -> mx.array | 
     """packed_attention's kernel branch for a PackedView: the output, or None."""
     if backend_name() != "cuda" or q.shape[2] > MAX_QUERIES:
         return None
-    if view.memo is None or view.joint is None:
+    coded = view.key_codec is not None and view.value_codec is not None
+    if view.memo is None or (view.joint is None and not coded):  # full-precision packed rows: launches each step
         return attend(q, packed_launches(q, view), view.heads, scale, sinks)
     recipe = _kept_recipe(q, view, ("packed kernel", view.rotation, sinks is not None), packed_launches)
     if recipe is None:
         return None
-    return joint_launch(q, recipe, view.joint, _packed_rows(view.q_start, q.shape[2]), view.capacity, view.heads,
-                        scale, sinks)
+    rows = _packed_rows(view.q_start, q.shape[2])
+    if view.joint is not None:
+        return joint_launch(q, recipe, view.joint, rows, view.capacity, view.heads, scale, sinks)
+    ka, va = _codec_arrays(recipe[1][0], view.key_parts), _codec_arrays(recipe[2][0], view.value_parts)  # TurboQuant
+    if ka is None or va is None:
+        return None
+    return arrays_launch(q, recipe, ka, va, 0, rows, view.capacity, view.heads, scale, sinks)
 
 
 def paged_attention(q: mx.array, view, scale: float, sinks=None) -> mx.array | None:

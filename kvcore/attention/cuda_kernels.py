@@ -219,19 +219,26 @@ def fusable(plan: Plan, B: int, heads: int, columns: int) -> bool:
 def joint_launch(q: mx.array, recipe: tuple, joint, rows: mx.array, columns: int, heads: int, scale: float,
                  sinks, table: mx.array | None = None) -> mx.array:
     """The launch `attend` makes for one joint Launch(rows, columns[, table]), from its recipe."""
+    return arrays_launch(q, recipe, joint.arrays, joint.arrays, joint.heads, rows, columns, heads, scale, sinks, table)
+
+
+def arrays_launch(q: mx.array, recipe: tuple, k_arrays: tuple, v_arrays: tuple, v_head: int, rows: mx.array,
+                  columns: int, heads: int, scale: float, sinks, table: mx.array | None = None) -> mx.array:
+    """The launch `attend` makes for one Launch(k_arrays, v_arrays, rows, columns, v_head[, table]) from its
+    recipe: joint storage (the same arrays, V from head `v_head`) or a key and a value set (v_head 0)."""
     B = q.shape[0]
     plan, (ks, kb), (vs, vb), geometry = recipe
     tiles = -(-columns // plan.tile)
     width = 0 if table is None else table.shape[1]
-    geo = geometry.get((B, tiles, width))
+    geo = geometry.get((B, tiles, width, v_head))
     if geo is None:
-        geo = geometry[(B, tiles, width)] = _joint_geometry(plan, B, heads, tiles, sinks is not None, q.dtype, width)
+        geo = geometry[(B, tiles, width, v_head)] = _joint_geometry(plan, B, heads, tiles, sinks is not None, q.dtype,
+                                                                   width, v_head)
     kernel, grid, shapes, ints, fused = geo
-    w, sc, bi = joint.arrays
     if not fused:
-        launch = Launch(ks, vs, joint.arrays, joint.arrays, kb, vb, rows, columns, joint.heads, table)
+        launch = Launch(ks, vs, k_arrays, v_arrays, kb, vb, rows, columns, v_head, table)
         return merge(q, [partials(q, launch, plan, scale, heads)], plan.rep, plan.value.dim, sinks)
-    return kernel(inputs=[q, w, sc, bi, w, sc, bi, kb, vb, rows, ints, _scale(scale), _counters(),
+    return kernel(inputs=[q, *k_arrays, *v_arrays, kb, vb, rows, ints, _scale(scale), _counters(),
                           _ints(_next_slot()), _sinks(sinks), dummy(mx.int32) if table is None else table],
                   grid=grid, threadgroup=(THREADS, 1, 1), output_shapes=shapes, output_dtypes=_FUSED_DTYPES[q.dtype])[3]
 
@@ -239,10 +246,12 @@ def joint_launch(q: mx.array, recipe: tuple, joint, rows: mx.array, columns: int
 _FUSED_DTYPES = {dt: [mx.float32] * 3 + [dt] for dt in Q_TYPES}
 
 
-def _joint_geometry(plan: Plan, B: int, heads: int, tiles: int, has_sink: bool, q_dtype, width: int = 0) -> tuple:
-    """(kernel, grid, output shapes, (chunk, nsplit, v_head) array, fused) of a joint launch over
-    `tiles` tiles, as `partials(..., fused=True)` makes them (joint V starts at head `heads`)."""
+def _joint_geometry(plan: Plan, B: int, heads: int, tiles: int, has_sink: bool, q_dtype, width: int = 0,
+                    v_head: int | None = None) -> tuple:
+    """(kernel, grid, output shapes, (chunk, nsplit, v_head) array, fused) of a launch over `tiles` tiles,
+    as `partials(..., fused=True)` makes them (joint V starts at head `heads`, the default `v_head`)."""
     chunk, nsplit, grid, shapes = _geometry(plan, B, heads, tiles)
     fused = B * heads * plan.nqc <= SLOT and plan.merges_in_launch(nsplit)
     out = (B, heads * plan.rep, plan.n_queries, plan.value.dim)
-    return _kernel(plan, True, has_sink, q_dtype), grid, [*shapes, out], _ints(chunk, nsplit, heads, width), fused
+    vh = heads if v_head is None else v_head
+    return _kernel(plan, True, has_sink, q_dtype), grid, [*shapes, out], _ints(chunk, nsplit, vh, width), fused
