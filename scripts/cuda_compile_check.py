@@ -129,6 +129,34 @@ class StandIn:
         return [mx.zeros(s, dtype=d) for s, d in zip(output_shapes, output_dtypes)]
 
 
+def turbo_encode(cc: Compiler, dims: list[int], bits_list: list[int]) -> int:
+    """Build and compile the turbo encode launch per (bits, dim, input dtype); 1 if one fails."""
+    from kvcore.codecs import CodecSpec, turbo_cuda_encode
+    from kvcore.codecs.turbo import TurboCodec
+
+    failed = 0
+    for dim in dims:
+        for bits in bits_list:
+            codec = TurboCodec(CodecSpec("turbo", bits), dim)
+            for dtype in turbo_cuda_encode.DTYPES:
+                StandIn.built.clear()
+                turbo_cuda_encode._KERNELS.clear()
+                turbo_cuda_encode.launch(mx.zeros((1, 8, 3, dim), dtype=dtype), codec)
+                for name, text, grid, block in StandIn.built:
+                    try:
+                        _, log = cc.compile(name, text)
+                    except RuntimeError as e:
+                        failed += 1
+                        print(f"turbo encode {bits} bits d {dim} {dtype}: {e}")
+                        continue
+                    regs = re.search(r"Used (\d+) registers", log)
+                    spill = re.search(r"(\d+) bytes spill stores", log)
+                    print(f"turbo encode {bits} bits d {dim} {str(dtype).rsplit('.', 1)[-1]}: "
+                          f"{regs.group(1) if regs else '?'} registers, {spill.group(1) if spill else '?'} bytes spilled, "
+                          f"grid {grid}, block {block}", flush=True)
+    return 1 if failed else 0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--forms", default="0,1,2,3")
@@ -137,9 +165,14 @@ def main() -> None:
     ap.add_argument("--paged", action="store_true", help="the paged rows' kernel (pages found through a block table)")
     ap.add_argument("--turbo", default=None, metavar="KB,VB",
                     help="turbo K/V of these bits instead of affine (with MLXKV_CUDA_TURBO_MMA=1: the tensor-core body)")
+    ap.add_argument("--turbo-encode", default=None, metavar="DIMS",
+                    help="instead: TurboQuant's one-launch encode (kvcore/codecs/turbo_cuda_encode.py) for these head "
+                         "dims (e.g. 64,128) and --bits, each input dtype")
     a = ap.parse_args()
     cc = Compiler()
     mx.fast.cuda_kernel = StandIn  # before the kernel modules build anything
+    if a.turbo_encode:
+        sys.exit(turbo_encode(cc, [int(d) for d in a.turbo_encode.split(",")], [int(b) for b in a.bits.split(",")]))
     from kvcore.attention import cuda_kernels as ck
     from kvcore.attention.cuda_launch import BIG, PAGE, Plan, Side
     from kvcore.codecs import CodecSpec

@@ -27,7 +27,7 @@ import numpy as np
 from .base import CodecSpec, Encoded
 from .bitpack import chunk_table, lookup, pack, packed_bytes
 from .lloyd_max import gaussian_codebook
-from . import turbo_cuda
+from . import turbo_cuda, turbo_cuda_encode
 from .rotation import make_rotation
 
 BITS = (1, 2, 3, 4, 5, 6, 7, 8)
@@ -86,6 +86,12 @@ class TurboCodec:
         self.table = chunk_table(c, self.bits)  # centroids of every chunk of packed indices
 
     def encode(self, x: mx.array) -> Encoded:
+        """One CUDA launch where it serves (`turbo_cuda_encode`, opt-in: the same up to float rounding)."""
+        out = turbo_cuda_encode.encode(self, x)
+        return self.portable_encode(x) if out is None else out
+
+    def portable_encode(self, x: mx.array) -> Encoded:
+        """The encode in pure MLX (the reference of the CUDA launch)."""
         idx, scale = _quantizer(self.head_dim, self.bits)(self.rotation.forward(x))  # rotated: float32
         return pack(idx, self.bits), scale  # (B, H, T, ceil(d*bits/8)) uint8, (B, H, T, 1)
 
