@@ -129,6 +129,18 @@ class StandIn:
         return [mx.zeros(s, dtype=d) for s, d in zip(output_shapes, output_dtypes)]
 
 
+def compiled(cc: Compiler, name: str, text: str, label: str) -> tuple[bytes, str] | None:
+    """(cubin, "R registers, S bytes spilled") of one built kernel, or None where NVRTC refuses it (said)."""
+    try:
+        cubin, log = cc.compile(name, text)
+    except RuntimeError as e:
+        print(f"{label}: {e}")
+        return None
+    regs = re.search(r"Used (\d+) registers", log)
+    spill = re.search(r"(\d+) bytes spill stores", log)
+    return cubin, f"{regs.group(1) if regs else '?'} registers, {spill.group(1) if spill else '?'} bytes spilled"
+
+
 def turbo_encode(cc: Compiler, dims: list[int], bits_list: list[int]) -> int:
     """Build and compile the turbo encode launch per (bits, dim, input dtype); 1 if one fails."""
     from kvcore.codecs import CodecSpec, turbo_cuda_encode
@@ -142,18 +154,12 @@ def turbo_encode(cc: Compiler, dims: list[int], bits_list: list[int]) -> int:
                 StandIn.built.clear()
                 turbo_cuda_encode._KERNELS.clear()
                 turbo_cuda_encode.launch(mx.zeros((1, 8, 3, dim), dtype=dtype), codec)
+                label = f"turbo encode {bits} bits d {dim} {str(dtype).rsplit('.', 1)[-1]}"
                 for name, text, grid, block in StandIn.built:
-                    try:
-                        _, log = cc.compile(name, text)
-                    except RuntimeError as e:
-                        failed += 1
-                        print(f"turbo encode {bits} bits d {dim} {dtype}: {e}")
-                        continue
-                    regs = re.search(r"Used (\d+) registers", log)
-                    spill = re.search(r"(\d+) bytes spill stores", log)
-                    print(f"turbo encode {bits} bits d {dim} {str(dtype).rsplit('.', 1)[-1]}: "
-                          f"{regs.group(1) if regs else '?'} registers, {spill.group(1) if spill else '?'} bytes spilled, "
-                          f"grid {grid}, block {block}", flush=True)
+                    built = compiled(cc, name, text, label)
+                    failed += built is None
+                    if built is not None:
+                        print(f"{label}: {built[1]}, grid {grid}, block {block}", flush=True)
     return 1 if failed else 0
 
 
@@ -208,16 +214,12 @@ def main() -> None:
             ck._KERNELS.clear()
             ck.partials(q, launch, plan, D ** -0.5, HKV, fused=True)
             for name, text, grid, block in StandIn.built:
-                try:
-                    cubin, log = cc.compile(name, text)
-                except RuntimeError as e:
+                built = compiled(cc, name, text, f"form {form} {label}")
+                if built is None:
                     failed += 1
-                    print(f"form {form} {label}: {e}")
                     continue
-                regs = re.search(r"Used (\d+) registers", log)
-                spill = re.search(r"(\d+) bytes spill stores", log)
-                line = (f"form {form} {label}{' paged' if a.paged else ''}: {regs.group(1) if regs else '?'} registers, "
-                        f"{spill.group(1) if spill else '?'} bytes spilled, grid {grid}, block {block}")
+                cubin, counts = built
+                line = f"form {form} {label}{' paged' if a.paged else ''}: {counts}, grid {grid}, block {block}"
                 if a.sass:
                     out = Path(a.sass)
                     out.mkdir(parents=True, exist_ok=True)
