@@ -57,6 +57,7 @@ def kv_attention(q: mx.array, view: KVView, scale: float, sinks: mx.array | None
         _count(stats, "cuda-kernel")
         if keep:  # the layer's next steps go straight to it (hook._sdpa), in the rotated basis where this one was
             view.memo["launch"] = cuda_decode.kept_launch
+            view.memo.setdefault("rotation", view.segments[0].rotation)  # set already where in_rotated_basis ran
         return out
     kv, sc = _sizes(q, view)
     segs = view.segments
