@@ -56,9 +56,11 @@ def stand_in() -> None:
 
     kb._backend = lambda cpu: "cuda"
     from kvcore.attention import cuda_check, cuda_encode
+    from kvcore.codecs import turbo_cuda, turbo_cuda_encode
 
     cuda_check.check_plan = lambda plan, dtype: None
     cuda_encode.check = lambda *a: None
+    turbo_cuda.check = turbo_cuda_encode.check = lambda *a: None
 
 
 def caches(kind: str, layers: int, rows: int, context: int, heads: int, dim: int, dtype=mx.bfloat16,
