@@ -6,7 +6,7 @@
 # Run 11 made three variants the defaults (the release arrival, affine 3/5/6-bit codes on the tensor cores,
 # batch splits rounded down) and named every kernel after a hash of its text (MLX's PTX cache on disk is keyed
 # by the name alone). So:
-# 1. the kernel tests in the new defaults (forms 1, the code-chunk body, the encode and turbo decode launches);
+# 1. the kernel tests in the new defaults (form 1, the code-chunk body, steady launches; the rest is in the suite);
 # 2. end to end (scripts/gpu_kernel_e2e.py: KL per step against the portable path, <= 1e-4) for affine:4 (affine:3,
 #    the code-chunk body's first run in a model, is in scripts/gpu_session_turbo.sh);
 # 3. the bench against mlx-lm bf16 in the same process at 512, 32k and 128k, 3 interleaved repeats (2 at 128k):
@@ -22,8 +22,7 @@ cd "$(dirname "$0")/.."
 TAIL_LINES=10 source scripts/gpu_steps.sh
 python3 -c "import mlx.core as mx, mlx_lm; print('device', mx.default_device(), 'mlx', mx.__version__, 'mlx-lm', mlx_lm.__version__)"
 step tests 100 python3 -m pytest -q -p no:cacheprovider -n 16 --timeout 90 -rfEs tests/test_cuda_mma.py \
-  tests/test_cuda_decode.py tests/test_cuda_steady.py tests/test_cuda_chunk_mma.py tests/test_cuda_encode.py \
-  tests/test_cuda_turbo_decode.py
+  tests/test_cuda_decode.py tests/test_cuda_steady.py tests/test_cuda_chunk_mma.py
 step tests-prefetch 50 python3 -m pytest -q -p no:cacheprovider -n 16 --timeout 45 -rfEs tests/test_cuda_prefetch.py
 step e2e 50 python3 scripts/gpu_kernel_e2e.py --shape llama-1b --steps 400
 step ab-prefetch 170 env OUT="$RES" CONTEXTS="32768 131072" VARIANTS="MLXKV_CUDA_MMA=1 \
