@@ -14,7 +14,7 @@ from kvcore.backend import backend_name
 
 
 def test_the_loop_reads_keys_loaded_a_tile_ahead():
-    loop = cuda_prefetch.LOOP_AHEAD
+    loop = cuda_prefetch.loop(1)
     assert "uint32_t w[WTK]" not in loop and "__half2 s2[NGT]" not in loop  # no per-tile key registers left
     assert loop.count("load_words<WTK>(wn[nb],") == 2  # before the loop, and one tile ahead inside it
     body = loop[loop.index("for (int t0 = t_begin"):]
@@ -25,7 +25,7 @@ def test_the_loop_reads_keys_loaded_a_tile_ahead():
 
 
 def test_values_are_loaded_once_their_products_are_done():
-    loop = cuda_prefetch.LOOP_AHEAD_VALUES
+    loop = cuda_prefetch.loop(2)
     body = loop[loop.index("for (int t0 = t_begin"):]
     assert loop.count("load_words<WTV>(vwd[k],") == 2 and "uint32_t vwd[4][WTV]" not in body  # before, and ahead
     assert body.index("mma16816(acc[m]") < body.index("load_words<WTV>") and body.index("const int pb = pb_next,") < body.index("load_words<WTV>")

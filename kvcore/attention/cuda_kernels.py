@@ -110,8 +110,7 @@ def body(mma: int, special: str = "", key_dim: int = 0, value_dim: int = 0) -> s
     elif special == "chunk":
         main = cuda_chunk_mma.body(key_dim, value_dim)
     elif special == "prefetch":  # key_dim: the prefetch level (1: keys, 2: keys and values)
-        loop = cuda_prefetch.LOOP_AHEAD_VALUES if key_dim == 2 else cuda_prefetch.LOOP_AHEAD
-        main = cuda_mma.PRELUDE + cuda_mma.QUERIES + loop + cuda_mma.MERGE
+        main = cuda_mma.PRELUDE + cuda_mma.QUERIES + cuda_prefetch.loop(key_dim) + cuda_mma.MERGE
     else:
         main = bodies[int(mma)]
     return src.compact(src.prologue() + main + src.tail())

@@ -23,6 +23,7 @@ are done, so they arrive during tile t + 1's key products and softmax: no wait o
 from __future__ import annotations
 
 import os
+from functools import cache
 
 from .cuda_mma import KEY_LOAD, KEY_MMA, KEY_SCALES, LOOP, PAGE_AHEAD, VALUE_DECL, VALUE_LOADS, VALUES
 
@@ -51,11 +52,15 @@ def _swap(text: str, pairs: list[tuple[str, str]]) -> str:
     return text
 
 
-# the key pieces writing into (and reading from) the prefetch registers of token row nb
-LOAD = _swap(KEY_LOAD, [("      uint32_t w[WTK];\n", ""), ("load_words<WTK>(w,", "load_words<WTK>(wn[nb],")])
-SCALES = _swap(KEY_SCALES, [("      __half2 s2[NGT], z2[NGT];\n", ""), ("s2[u] =", "s2n[nb][u] ="),
-                            ("z2[u] =", "z2n[nb][u] =")])
-MMA = _swap(KEY_MMA, [("w[j]", "wn[nb][j]"), ("s2[u]", "s2n[nb][u]"), ("z2[u]", "z2n[nb][u]")])
+# the key pieces writing into (and reading from) the prefetch registers of token row nb; built when first asked
+# for, so a piece of form 1 that no longer matches fails in this variant's tests, not in every kernel import
+@cache
+def _key_pieces() -> tuple[str, str, str]:
+    load = _swap(KEY_LOAD, [("      uint32_t w[WTK];\n", ""), ("load_words<WTK>(w,", "load_words<WTK>(wn[nb],")])
+    scales = _swap(KEY_SCALES, [("      __half2 s2[NGT], z2[NGT];\n", ""), ("s2[u] =", "s2n[nb][u] ="),
+                                ("z2[u] =", "z2n[nb][u] =")])
+    mma = _swap(KEY_MMA, [("w[j]", "wn[nb][j]"), ("s2[u]", "s2n[nb][u]"), ("z2[u]", "z2n[nb][u]")])
+    return load, scales, mma
 
 
 def load_tile(first: str) -> str:
@@ -65,7 +70,7 @@ def load_tile(first: str) -> str:
       for (int nb = 0; nb < 2; nb++) {
         const int t = min(""" + first + r""" + 8 * nb + g, t_end - 1);
         const int pb = pb_next, tp = PAGED ? t % PAGE : t;
-""" + LOAD + SCALES + "      }\n")
+""" + _key_pieces()[0] + _key_pieces()[1] + "      }\n")
 
 
 SCORES = r"""    // scores of tokens t0 + 8 nb + (2c, 2c + 1) for query vector g
@@ -82,25 +87,32 @@ SCORES = r"""    // scores of tokens t0 + 8 nb + (2c, 2c + 1) for query vector g
     }
 """
 
-PREFETCHED_SCORES = r"""    // scores of tokens t0 + 8 nb + (2c, 2c + 1) for query vector g, from the keys loaded a tile ago
+
+def _prefetched_scores() -> str:
+    return (r"""    // scores of tokens t0 + 8 nb + (2c, 2c + 1) for query vector g, from the keys loaded a tile ago
     float s[2][4];
 #pragma unroll
     for (int nb = 0; nb < 2; nb++) {
       s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.f;
 #pragma unroll
       for (int i = 0; i < NKB; i++) {
-""" + MMA + r"""        mma16816(s[nb], qa[i][0], 0u, qa[i][1], 0u, b0, b1);
+""" + _key_pieces()[2] + r"""        mma16816(s[nb], qa[i][0], 0u, qa[i][1], 0u, b0, b1);
       }
     }
     if (t0 + 16 * NWARP < t_end) {  // the next tile's keys, in flight through the rest of this tile
-""" + load_tile("t0 + 16 * NWARP") + "    }\n"
+""" + load_tile("t0 + 16 * NWARP") + "    }\n")
 
-FIRST = r"""  uint32_t wn[2][WTK];
+
+def _first() -> str:
+    return (r"""  uint32_t wn[2][WTK];
   __half2 s2n[2][NGT], z2n[2][NGT];
   if (t_begin + 16 * warp < t_end) {
-""" + load_tile("t_begin + 16 * warp") + "  }\n"
+""" + load_tile("t_begin + 16 * warp") + "  }\n")
 
-LOOP_AHEAD = _swap(LOOP, [(SCORES, PREFETCHED_SCORES), (PAGE_AHEAD, PAGE_AHEAD + FIRST)])
+
+@cache
+def _loop_ahead() -> str:
+    return _swap(LOOP, [(SCORES, _prefetched_scores()), (PAGE_AHEAD, PAGE_AHEAD + _first())])
 
 
 def load_values(first: str) -> str:
@@ -109,16 +121,17 @@ def load_values(first: str) -> str:
                                ("min(t0 + 2 * c", "min(" + first + " + 2 * c"), ("const int pb = pbt,", "const int pb = pb_next,")])
 
 
-FIRST_VALUES = VALUE_DECL + r"""  __half vsc[4], vbi[4];
+@cache
+def _loop_ahead_values() -> str:
+    first_values = VALUE_DECL + r"""  __half vsc[4], vbi[4];
   if (t_begin + 16 * warp < t_end) {
 """ + load_values("t_begin + 16 * warp") + "  }\n"
-
-NEXT_VALUES = r"""    if (t0 + 16 * NWARP < t_end) {  // the next tile's values, in flight through its key products and softmax
+    next_values = r"""    if (t0 + 16 * NWARP < t_end) {  // the next tile's values, in flight through its key products and softmax
 """ + load_values("t0 + 16 * NWARP") + "    }\n"
+    return _swap(_loop_ahead(), [(PAGE_AHEAD + _first(), PAGE_AHEAD + _first() + first_values),
+                                 (VALUE_LOADS + VALUES, VALUES + next_values)])
 
-LOOP_AHEAD_VALUES = _swap(LOOP_AHEAD, [(PAGE_AHEAD + FIRST, PAGE_AHEAD + FIRST + FIRST_VALUES),
-                                       (VALUE_LOADS + VALUES, VALUES + NEXT_VALUES)])
 
-
-def loop() -> str:
-    return LOOP_AHEAD_VALUES if level() == 2 else LOOP_AHEAD
+def loop(lvl: int) -> str:
+    """Form 1's loop with its loads a tile ahead: keys (1), keys and values (2)."""
+    return _loop_ahead_values() if lvl == 2 else _loop_ahead()
