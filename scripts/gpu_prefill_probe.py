@@ -4,7 +4,8 @@
 process, then the prompt as `gpu_bench.py` times it (the engine, under the memory model's plan). A first pass
 that is slower chunk for chunk than the second means work done once per new shape (kernels built as the
 past grows); equal passes whose chunks slow down with the past mean the attention over the stored tokens;
-an engine pass well below the raw ones means the memory plan (smaller query groups, blockwise attention).
+an engine pass well below the raw ones means the memory plan (smaller query groups, blockwise attention, or the
+memory limit it runs under holding the graph back).
 One JSON line per scheme and pass: seconds per chunk, their sum, tokens/s, and one decode step after the
 prompt (`decode_s`). The last chunk ends with the prompt's last token on its own, a decode step over the
 compressed past: in a first pass it holds the decode kernel's first use (its build and device check), so
@@ -65,9 +66,11 @@ def main() -> None:
     for scheme in a.schemes.split(","):
         policy = scheme_policy(scheme)
         for rep in range(1, a.passes + 1):
+            mx.reset_peak_memory()
             t, decode_s = chunks(model, policy, tokens, a.chunk)
             print(json.dumps({"scheme": scheme, "pass": rep, "context": a.context, "seconds": round(sum(t), 3),
-                              "tps": round(a.context / sum(t), 1), "decode_s": decode_s, "chunks_s": t}), flush=True)
+                              "tps": round(a.context / sum(t), 1), "decode_s": decode_s,
+                              "peak_gb": round(mx.get_peak_memory() / 1e9, 2), "chunks_s": t}), flush=True)
             mx.clear_cache()
         if a.no_engine:
             continue
