@@ -167,6 +167,17 @@ def prefill_case(model, config: dict, scheme: str | None, ctx: int) -> dict:
     return {"prefill_tps": ctx / t, "ttft_s": t, "peak_memory_gb": mx.get_peak_memory() / 1e9, "kv_bytes": kv}
 
 
+BAND = (165 * 0.85, 165 * 1.15)  # issue 13: a run whose mlx-lm bf16 at 32k is outside 165 +- 15% tok/s is re-run
+
+
+def baseline_band(rows: list[dict]) -> dict:
+    """mlx-lm bf16's decode tok/s at 32k (one row) and whether it is inside issue 13's band, so that a run's
+    ratios say themselves whether they may be quoted."""
+    tps = next((r.get("decode_tps") for r in rows if r["engine"] == "mlx-lm" and r["scheme"] == "bf16"
+                and r["context"] == 32768 and r["batch"] == 1 and r.get("decode_tps")), None)
+    return {"tps": tps, "low": BAND[0], "high": BAND[1], "in_band": tps is not None and BAND[0] <= tps <= BAND[1]}
+
+
 def case(engine: str, scheme: str, ctx: int, batch: int, runs: list[dict], extra: dict | None = None) -> None:
     ok = [r for r in runs if "error" not in r]
     row = {"engine": engine, "scheme": scheme, "context": ctx, "batch": batch, **(extra or {})}
@@ -289,6 +300,7 @@ def main() -> None:
             case("mlx-lm" if scheme is None else "mlxkv", scheme or "bf16", ctx, 1, [r], {"kind": "prefill"})
             if scheme and "ttft_s" in r and r["ttft_s"] > 60:
                 break  # the old blockwise prefill: longer contexts would not fit the run
+    meta["baseline"] = baseline_band(ROWS)
     doc = {"meta": meta, "rows": ROWS}
     (OUT / "gpu_bench.json").write_text(json.dumps(doc, indent=1))
     if a.output:
@@ -298,6 +310,10 @@ def main() -> None:
         print(f"{r['engine']:7} {r['scheme']:11} {r['context']:>7} {r['batch']:>3} {r.get('decode_tps', 0):8.1f} "
               f"{r.get('prefill_tps', 0):8.0f} {r.get('peak_memory_gb', 0):7.2f}  "
               f"{({True: 'kernel ', 'default': 'default '}.get(r.get('kernel'), '')) + (r.get('error') or (r.get('attention') or {}).get('path', ''))}")
+    band = meta["baseline"]
+    if band["tps"] is not None:
+        print(f"mlx-lm bf16 at 32k: {band['tps']:.1f} tok/s, {'inside' if band['in_band'] else 'OUTSIDE'} issue 13's "
+              f"{band['low']:.0f}-{band['high']:.0f} band" + ("" if band["in_band"] else ": this run's ratios are not quotable"))
 
 
 if __name__ == "__main__":
