@@ -248,7 +248,7 @@ MERGE_UNROLL = int(os.environ.get("MLXKV_CUDA_MERGE_UNROLL", "8"))  # partial ou
 ARRIVE = os.environ.get("MLXKV_CUDA_ARRIVE", "release")  # how a split's block counts itself (A/B knob, below)
 
 # The default since run 11 (MLXKV_CUDA_ARRIVE=fence: the former one, FENCE_ARRIVAL): ncu's source counters put 31% of
-# form 1's stall samples at 32k on the default arrival (`__threadfence` is MEMBAR.SC.GPU + an L1 invalidate in
+# form 1's stall samples at 32k on the fenced arrival (`__threadfence` is MEMBAR.SC.GPU + an L1 invalidate in
 # all 4 warps, then every warp waits on a load of slot[0] issued after it). This one is CUTLASS's split-K
 # semaphore: the block's barrier, then thread 0 alone releases (fence.acq_rel.gpu, a relaxed atomic add), the
 # last block's thread 0 acquires (fence.acq_rel.gpu) before the barrier that lets its threads read the
