@@ -107,6 +107,10 @@ class TurboCodec:
         out = turbo_cuda.rotated(self, enc, dtype)
         return self.portable_rotated(enc).astype(dtype) if out is None else out
 
+    def portable_decode(self, enc: Encoded, dtype: mx.Dtype) -> mx.array:
+        """`decode` in pure MLX (the same values: the launch is checked bit for bit against it)."""
+        return self.rotation.inverse(self.portable_rotated(enc), dtype)
+
     def portable_rotated(self, enc: Encoded) -> mx.array:
         """s c in float32, in pure MLX (the reference of the CUDA launch)."""
         packed, scale = enc

@@ -30,6 +30,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..backend import Verdicts, backend_name
+from .turbo_cuda import DTYPES  # the input dtypes, as the decode launch's outputs
 
 SOURCE = r"""
   constexpr int EPL = D / 32, NB = (1 << BITS) - 1, NW = (D * BITS + 31) / 32, NBY = D * BITS / 8;
@@ -99,7 +100,6 @@ SOURCE = r"""
 """
 
 WARPS = 4  # head vectors per block of 128 threads
-DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 DIMS = (32, 64, 128, 256)
 MISMATCH = 1e-4  # admitted: cells differing from the portable encode's in at most this share of coordinates
 _KERNELS: dict = {}  # (bits, dim) -> kernel
@@ -195,7 +195,3 @@ def check(codec, dtype) -> str | None:
     want = codec.portable_encode(x)
     mx.eval(got, want)
     return compare(got, want, codec.bits, d)
-
-
-def status() -> dict:
-    return {f"turbo{b} d{d} {str(t).rsplit('.', 1)[-1]}": why for (b, d, t), why in _VERDICTS.items()}
