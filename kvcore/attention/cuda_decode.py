@@ -392,23 +392,3 @@ def spec_side(spec: CodecSpec, dim: int) -> Side:
     if spec.name == "affine":
         return Side("affine", spec.bits, spec.group_size or 64, dim)
     return Side("turbo", spec.bits, dim, dim)
-
-
-# -- the earlier entry points (scripts/gpu_check.py) ----------------------------------------------
-def ready() -> bool:
-    return backend_name() == "cuda"
-
-
-def decode_attention(q: mx.array, key_parts, value_parts, codec, lengths: mx.array, scale: float) -> mx.array:
-    """q: (B, Hq, N, D); parts (B, Hkv, CAP, ...) with row b valid on [0, lengths[b]) -> (B, Hq, N, Dv)."""
-    from ..errors import MlxkvError
-
-    sides = _sides(codec, codec, key_parts, value_parts, (q.shape[-1], codec.head_dim), False)
-    N = q.shape[2]
-    n = lengths.astype(mx.int32)
-    rows = mx.stack([mx.full(n.shape, -BIG, dtype=mx.int32), n - N + 1, n], axis=1)
-    out = attend(q, None if sides is None else [Launch(*sides, rows, key_parts[0].shape[2])],
-                 key_parts[0].shape[1], scale, None)
-    if out is None:
-        raise MlxkvError("the CUDA decode kernel does not cover this case here")
-    return out
