@@ -91,7 +91,7 @@ def load_folder(path: Path, source: str):
     except (ValueError, FileNotFoundError, KeyError) as e:
         raise MlxkvError(f"cannot load model {source}: {first_line(e, limit=None)}")
     except Exception as e:  # mlx-lm / transformers on a folder they cannot read: still name the folder
-        first = str(e).splitlines()[0] if str(e) else ""
+        first = first_line(e, None, empty="")
         raise MlxkvError(f"cannot load model {source}: {type(e).__name__}{': ' + first if first else ''}") from None
     if "quantization" in config and not _quantized_modules(model):
         raise MlxkvError(f"model {source}: config.json has a 'quantization' block but the weights hold no "

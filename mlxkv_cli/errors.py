@@ -51,7 +51,7 @@ class MlxkvGroup(TyperGroup):
         except Exception as e:  # the last resort: still one line unless debugging
             if os.environ.get("MLXKV_DEBUG"):
                 traceback.print_exc()
-            first = str(e).splitlines()[0] if str(e) else ""
+            first = first_line(e, None, empty="")
             _fail(f"internal error: {type(e).__name__}: {first} (set MLXKV_DEBUG=1 for the traceback)", 1)
         if isinstance(rv, int) and rv:
             sys.exit(rv)

@@ -119,7 +119,7 @@ def ll_tokenizer(tokenizer):
             view = _llguidance().hf.from_tokenizer(hf, eos_token=eos)
         except Exception as e:  # not a fast (Rust) HF tokenizer
             raise MlxkvError(f"constrained decoding cannot use this tokenizer ({type(e).__name__}: "
-                             f"{str(e).splitlines()[0] if str(e) else ''})") from None
+                             f"{first_line(e, None, empty='')})") from None
         _TOKENIZERS[key] = (tokenizer, view)  # the tokenizer kept alive: its id is never reused
     return _TOKENIZERS[key][1]
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..engine import Completion, Request
-from ..errors import MlxkvError
+from ..errors import MlxkvError, first_line
 from ..units import format_bytes
 from .errors import APIError
 from .metrics import EngineMetrics
@@ -178,7 +178,7 @@ class EngineWorker:
         try:
             events = self.engine.step()
         except Exception as e:  # noqa: BLE001: every row in flight fails; a fresh engine serves on
-            self._fail_all(APIError(500, f"internal error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
+            self._fail_all(APIError(500, f"internal error: {type(e).__name__}: {first_line(e, None, empty='')}"))
             self.engine = self.served.new_engine()
             return
         self.metrics.stepped(self.engine, events)
