@@ -138,9 +138,9 @@ def test_turbo_fragments_give_scores_and_outputs(kbits, vbits, dim):
 
 def test_where_the_turbo_body_applies(monkeypatch):
     k4, v3 = Side("turbo", 4, 128, 128), Side("turbo", 3, 128, 128)
-    monkeypatch.delenv("MLXKV_CUDA_TURBO_MMA", raising=False)
-    assert not cuda_mma.mma_fits(k4, v3, 4, 1, "bfloat16")  # opt-in until checked on the device
-    monkeypatch.setenv("MLXKV_CUDA_TURBO_MMA", "1")
+    monkeypatch.setenv("MLXKV_CUDA_TURBO_MMA", "0")
+    assert not cuda_mma.mma_fits(k4, v3, 4, 1, "bfloat16")  # the knob keeps the scalar body
+    monkeypatch.delenv("MLXKV_CUDA_TURBO_MMA", raising=False)  # on by default
     assert cuda_mma.mma_fits(k4, v3, 4, 1, "bfloat16") and cuda_mma.mma_fits(k4, v3, 4, 2, "float16")
     assert not cuda_mma.mma_fits(k4, Side("turbo", 3, 64, 64), 4, 1, "bfloat16")  # a lane's 24 bits: no halves
     assert not cuda_mma.mma_fits(Side("turbo", 3, 128, 128), v3, 4, 1, "bfloat16")  # 3-bit keys: scalar body

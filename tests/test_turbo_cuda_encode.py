@@ -112,9 +112,9 @@ def test_the_comparison_refuses_a_wrong_transform_or_scale(bits):
 def test_the_launch_serves_only_where_asked_and_covered(monkeypatch):
     codec = TurboCodec(CodecSpec("turbo", 4), 128)
     x = mx.random.normal((1, 2, 3, 128))
-    monkeypatch.delenv("MLXKV_CUDA_TURBO_ENCODE", raising=False)
-    assert turbo_cuda_encode.encode(codec, x) is None  # opt-in
-    monkeypatch.setenv("MLXKV_CUDA_TURBO_ENCODE", "1")
+    monkeypatch.setenv("MLXKV_CUDA_TURBO_ENCODE", "0")
+    assert turbo_cuda_encode.encode(codec, x) is None  # the knob turns it off
+    monkeypatch.delenv("MLXKV_CUDA_TURBO_ENCODE", raising=False)  # on by default
     qr = TurboCodec(CodecSpec("turbo", 4), 96)  # not a power of two: a QR rotation, the portable encode
     assert turbo_cuda_encode.encode(qr, mx.random.normal((1, 2, 3, 96))) is None
     if backend_name() != "cuda":
