@@ -49,16 +49,21 @@ class BatchCompressedKVCache(_BaseCache):
         """Rows that may still change storage form (conversion); packed rows never do."""
         return [] if self.packed is not None else self._rows
 
-    def _maybe_pack(self, ids: list | None = None) -> None:
+    def _maybe_pack(self, ids: list | None = None, single: bool = False) -> None:
         """Pack the rows if they all pack; `ids`: their token ids (None where unknown), for paged
-        rows to share the pages of a common prefix."""
-        if self.packed is None and not any(self._pad) and len(self._rows) > 1:
+        rows to share the pages of a common prefix. `single`: a lone row goes into pages too (serve's
+        prefix cache keeps pages of the pool, which must exist from the first row)."""
+        if self.packed is None and not any(self._pad) and (len(self._rows) > 1 or single and self._rows):
             if self._rows[0].attention.pages:
                 self.packed = PagedRows.pack(self._rows, ids)
-            else:
+            elif len(self._rows) > 1:
                 self.packed = PackedRows.pack(self._rows)
             if self.packed is not None:
                 self._rows = []
+
+    @property
+    def paged(self) -> PagedRows | None:
+        return self.packed if isinstance(self.packed, PagedRows) else None
 
     @property
     def batch_size(self) -> int:

@@ -19,7 +19,10 @@ that writes into a shared page (after a rollback) first gets its own copy of it 
 A row's pages stay indexed after it leaves: freed pages are taken for new writes last (fresh ones first,
 then the longest-freed), so a later row with the same prefix (a second chat turn, a prompt restored
 from serve's prefix cache) takes them back instead of writing its own; a page loses its index entries
-when it is taken for new bytes.
+when it is taken for new bytes. Serve's prefix cache pins the pages of a prompt it keeps (`pin`): a
+pinned page is never freed or taken for new bytes while pinned, and a row writing into it copies it
+first, as into a page another row shares; `unpin` hands it back (to the free pages, still indexed,
+when no row holds it).
 
 Attention reads the pages where they lie (`mx.gather_qmm`, kvcore/attention/paged.py) or gathers
 them into a packed view (`PagedView.packed`) for the paths that read contiguous rows.
@@ -40,11 +43,10 @@ from .packed import (
     signature,
     trimmed,
 )
+from .paged_share import PAGE, SharedPages, _as_pages, _pages, _row_parts
 from .view import Joint
 
-PAGE = 128  # tokens per page
 _SHARED: dict = {}  # key name -> (host key, device array): the last one made, shared by the layers of a step
-_KEYS: dict = {}  # the last joining row's ids and their page keys (every layer asks for the same)
 
 
 def _shared(name: str, key, make) -> mx.array:
@@ -52,18 +54,6 @@ def _shared(name: str, key, make) -> mx.array:
     if slot is None or slot[0] != key:
         slot = _SHARED[name] = (key, make())
     return slot[1]
-
-
-def _pages(n: int) -> int:
-    return -(-n // PAGE)
-
-
-def _as_pages(part: mx.array, n: int, pages: int) -> mx.array:
-    """One row's (1, H', n, ...) tokens -> (pages, H', PAGE, ...)."""
-    pad = pages * PAGE - n
-    p = mx.pad(part, [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (part.ndim - 3)) if pad else part
-    p = p.reshape(p.shape[1], pages, PAGE, *p.shape[3:])
-    return p.swapaxes(0, 1)
 
 
 def _write_rows(where: tuple, B: int, hp: int, N: int) -> mx.array:
@@ -80,10 +70,6 @@ def _gather(part: mx.array, table: mx.array) -> mx.array:
     B, n = table.shape
     x = part[table.reshape(-1)].reshape(B, n, *part.shape[1:]).swapaxes(1, 2)
     return x.reshape(B, part.shape[1], n * PAGE, *part.shape[3:])
-
-
-def _row_parts(row: CompressedKVCache) -> tuple:
-    return (row.enc if row.key_codec is not None else row.tail).get()
 
 
 @dataclass
@@ -125,7 +111,7 @@ class PagedView:
                           config=self.config, stats=self.stats, joint=joint)
 
 
-class PagedRows:
+class PagedRows(SharedPages):
     def __init__(self, template: CompressedKVCache, pool: tuple, tables: list[list[int]], lengths: list[int],
                  free: list[int]):
         self.template = template.like(template.shape_layout.batch)  # settings only (see PackedRows)
@@ -134,6 +120,8 @@ class PagedRows:
         self.lengths = lengths
         self.free = free  # page ids not in any table, taken from the end (freed pages go to the front)
         self.refs: dict[int, int] = {}  # shared pages: page -> rows whose tables hold it (>= 2)
+        self.pins: dict[int, int] = {}  # pages prefix-cache entries hold: page -> how many entries
+        self.pinned: dict[int, int] = {}  # pinned page -> the most tokens an entry reads from it
         self.version = 0  # bumped whenever a table changes (the device table is remade only then)
         self._table: tuple | None = None  # (version, device table)
         self.index: dict[int, int] = {}  # hash of the token ids up to a whole page's end -> that page
@@ -189,14 +177,15 @@ class PagedRows:
         if revived:
             self.free = [p for p in self.free if p not in revived]
         self.reserve(sum(c - len(sh) for c, sh in zip(counts, shared)))
+        held = self.held() if any(shared) else set()
         tables, writes = [], []
         for r, n, c, sh in zip(rows, lengths, counts, shared):
             own = self._take(c - len(sh))
             for p in sh:
-                if p in revived:  # its first owner again (a second joining row with it shares it below)
-                    revived.discard(p)
-                else:
+                if p in held:
                     self.refs[p] = self.refs.get(p, 1) + 1
+                else:  # its first holder again (a departed row's page, or one only a prefix entry pins)
+                    held.add(p)
             tables.append(sh + own)
             if own:
                 writes.append((r, n, c, len(sh), own))
@@ -212,77 +201,6 @@ class PagedRows:
         self.tables += tables
         self.lengths += lengths
         self.version += 1
-
-    # -- shared prefixes --------------------------------------------------------
-    @staticmethod
-    def _keys(x, pages: int) -> list[int]:
-        """A key per whole page naming the ids up to its end: each page's key hashes the one before
-        it with its own ids (linear in the prompt), made once for all the layers of a join."""
-        last = _KEYS.get("last")
-        if last is not None and last[0] is x and len(last[1]) >= pages:
-            return last[1][:pages]
-        keys, key = [], 0
-        for k in range(len(x) // PAGE):
-            key = hash((key, tuple(x[k * PAGE : (k + 1) * PAGE])))
-            keys.append(key)
-        _KEYS["last"] = (x, keys)
-        return keys[:pages]
-
-    def _remember(self, table: list[int], x) -> None:
-        """Index the whole pages of a row whose token ids are `x` (None: not indexed)."""
-        if x is None:
-            return
-        for key, page in zip(self._keys(x, len(x) // PAGE), table):
-            if self.index.setdefault(key, page) == page:
-                self.page_keys.setdefault(page, set()).add(key)
-
-    def _take(self, n: int) -> list[int]:
-        """n free pages for new bytes (the caller reserved them): their index entries go."""
-        pages = [self.free.pop() for _ in range(n)]
-        for p in pages:
-            for key in self.page_keys.pop(p, ()):
-                if self.index.get(key) == p:
-                    del self.index[key]
-        return pages
-
-    def _shareable(self, row: CompressedKVCache, n: int, x) -> list[int]:
-        """Pages here holding the bytes of `row`'s first whole pages (its ids `x` name candidates)."""
-        if x is None or len(x) != n or n < PAGE:
-            return []
-        cands = []
-        for key in self._keys(x, n // PAGE):
-            page = self.index.get(key)
-            if page is None or page in cands:
-                break
-            cands.append(page)
-        if not cands:
-            return []
-        idx = mx.array(cands, dtype=mx.int32)
-        same = None
-        for p, mine in zip(self.pool, _row_parts(row)):
-            own = _as_pages(mine[:, :, : len(cands) * PAGE], len(cands) * PAGE, len(cands))
-            eq = mx.all((p[idx] == own).reshape(len(cands), -1), axis=1)
-            same = eq if same is None else same & eq
-        ok = same.tolist()  # one read back per joining row and layer
-        k = next((i for i, v in enumerate(ok) if not v), len(ok))
-        return cands[:k]
-
-    def _own_page(self, b: int, k: int) -> None:
-        """Copy on write: row b gets its own copy of its k-th page if other rows share it."""
-        page = self.tables[b][k]
-        if page not in self.refs:
-            return
-        self.reserve(1)
-        new = self._take(1)[0]
-        pool = list(self.pool)
-        for i in range(len(pool)):
-            pool[i][new] = pool[i][page]
-        self.pool = tuple(pool)
-        self.tables[b][k] = new
-        self.version += 1
-        self.refs[page] -= 1
-        if self.refs[page] < 2:
-            del self.refs[page]
 
     def reserve(self, pages: int, exact: bool = False) -> None:
         """At least `pages` free pages (unless `exact`, the pool grows by a quarter at least, so
@@ -302,11 +220,7 @@ class PagedRows:
         self.reserve(need, exact=True)
 
     def unpack(self) -> list[CompressedKVCache]:
-        rows = []
-        for table, n in zip(self.tables, self.lengths):
-            idx = mx.array([table], dtype=mx.int32)
-            rows.append(row_holding(self.template, n, tuple(mx.contiguous(_gather(p, idx)[:, :, :n]) for p in self.pool)))
-        return rows
+        return [self.gather_row(table, n) for table, n in zip(self.tables, self.lengths)]
 
     # -- decode -------------------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> PagedView:
@@ -314,10 +228,10 @@ class PagedRows:
         B, H, N, D = keys.shape
         t = self.template
         new = (keys, values) if t.key_codec is None else t.encode_tokens(keys, values)
-        if self.refs:  # pages about to be written that other rows share: copies first
+        if self.refs or self.pins:  # pages about to be written that other rows share or entries pin: copies first
             for b, n in enumerate(self.lengths):
                 for k in range(n // PAGE, min(_pages(n + N), len(self.tables[b]))):
-                    self._own_page(b, k)
+                    self._own_page(b, k, max(n - k * PAGE, 0))
         grow = sum(max(0, _pages(n + N) - len(tb)) for n, tb in zip(self.lengths, self.tables))
         if grow:
             self.reserve(grow)
@@ -359,12 +273,17 @@ class PagedRows:
                     self.refs[p] -= 1
                     if self.refs[p] < 2:
                         del self.refs[p]
-                else:
+                elif p not in self.pins:  # a pinned page stays out of the free pages
                     freed.append(p)
         self.free[:0] = freed  # taken last: a later row with the same prefix can take them back (join)
         self.tables = [self.tables[i] for i in idx]
         self.lengths = [self.lengths[i] for i in idx]
         self.version += 1
+
+    def gather_row(self, pages: list[int], n: int) -> CompressedKVCache:
+        """A one-row cache (this layer's settings) holding a copy of the n tokens in `pages`."""
+        idx = mx.array([pages], dtype=mx.int32)
+        return row_holding(self.template, n, tuple(mx.contiguous(_gather(p, idx)[:, :, :n]) for p in self.pool))
 
     def trim_rows(self, ns: list[int]) -> list[int]:
         self.lengths, done = trimmed(self.lengths, ns)

@@ -62,7 +62,18 @@ class Engine:
         self.decode_time = 0.0  # wall seconds inside decode steps
         self.decoded = 0  # tokens produced by decode steps
         self.peak_kv: dict = {}  # kv_summary of the running caches when they held the most
-        self.prefix = None  # optional prefix store: .restore(seq) on admission, .store(seq) once its prompt is in
+        self._prefix = None
+
+    @property
+    def prefix(self):
+        """An optional prefix store (serve/prefix.py): .restore(seq) on admission, .store(seq, pages) once its
+        prompt is in; with one, rows that page keep their prompts in the pools' pages (Runner.keep_pages)."""
+        return self._prefix
+
+    @prefix.setter
+    def prefix(self, store) -> None:
+        self._prefix = store
+        self.runner.keep_pages = store is not None
 
     def decoder_policy(self, policy: KVPolicy) -> KVPolicy:
         adapt = getattr(self.decoder, "policy", None)
@@ -157,12 +168,13 @@ class Engine:
             return []
         tok = self.runner.sample(logits, [seq])
         mx.eval(tok)
-        if self.prefix is not None:
-            self.prefix.store(seq)  # its caches hold exactly its prompt here
+        paged = self.prefix is not None and self.runner.pages_row(seq.caches)
         seq.started()
         events = []
         if not seq.finished:
             events.append(seq.take(tok.tolist()[0]))
+        if self.prefix is not None and not (paged and not seq.finished):
+            self.prefix.store(seq)  # a copy of its caches, which hold exactly its prompt here
         if seq.finished:
             self.scheduler.joined(seq)
             self._finished(seq)
@@ -171,6 +183,8 @@ class Engine:
         events += self.decoder.before_change(self)
         events += self._drop_finished()
         self.runner.join(seq.caches, list(seq.request.prompt_ids))
+        if paged:  # its prompt's pages in the pools, pinned by the entry (no copy)
+            self.prefix.store(seq, self.runner.row_pages(len(self.runner.ids) - 1))
         seq.caches = None
         self.scheduler.joined(seq)
         self.runner.reserve([final_tokens(s) for s in self.scheduler.running])

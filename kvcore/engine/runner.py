@@ -3,6 +3,9 @@
 One running row keeps its own caches as built (mlx-lm's KVCache for full precision, so a lone
 row decodes exactly as mlx-lm's generate_step does: no batch mask, no padding); a second row
 joining merges them into batch caches (mlx-lm's batch protocol), which stay merged.
+With `keep_pages` (serve's prefix cache is attached), rows whose every layer pages (compressed, full
+attention: cache/paged.py) go into the pools from the first row, and the pools outlive an empty
+batch: the prefix cache pins the pages of the prompts it keeps, and a later row takes them back.
 Nothing here reads an array back to the host: the caller reads the sampled tokens once.
 """
 
@@ -18,6 +21,8 @@ from ..attention.config import DEFAULT as DEFAULT_ATTENTION
 from ..adapter_set import select_rows
 from ..attention.config import AttentionConfig, AttentionStats
 from ..cache.batch import BatchCompressedKVCache
+from ..cache.compressed import CompressedKVCache
+from ..cache.paged import PagedRows
 from ..cache.dense_batch import DenseBatchKVCache
 from ..policy import KVPolicy, build_caches
 from ..transient import memory_limit
@@ -45,6 +50,7 @@ class Runner:
         self.caches: list | None = None  # the running rows' caches
         self.ids: list = []  # per running row: the token ids its caches held when it joined (or None)
         self.merged = False
+        self.keep_pages = False  # lone rows into pages, pools kept when the batch empties (see above)
 
     def new_caches(self) -> list:
         return build_caches(self.model, self.policy, self.attention, self.stats)[0]
@@ -73,6 +79,23 @@ class Runner:
         select_rows(self.model, [s.request for s in seqs])
 
     # -- membership -------------------------------------------------------------
+    def pages_row(self, caches: list) -> bool:
+        """Whether a row with these caches joins into pages (`keep_pages`, every layer pages, and the
+        running layers, if any, are pools)."""
+        if not self.keep_pages or not all(isinstance(c, CompressedKVCache) and c.attention.pages
+                                          and PagedRows.accepts([c]) for c in caches):
+            return False
+        return self.caches is None or self.pooled
+
+    @property
+    def pooled(self) -> bool:
+        """Whether every layer's running rows are in pages."""
+        return self.merged and all(getattr(c, "paged", None) is not None for c in self.caches)
+
+    def row_pages(self, b: int) -> list | None:
+        """Running row b's pages, per layer (pool, page ids, tokens); None unless every layer pages."""
+        return [(c.paged, *c.paged.row_pages(b)) for c in self.caches] if self.pooled else None
+
     def join(self, caches: list, ids: list[int] | None = None) -> None:
         """Add one row's caches (`ids`: the tokens they hold, so paged rows can share the pages of
         a prompt prefix other rows hold). Merging is done, and materialized, one layer at a time,
@@ -80,7 +103,10 @@ class Runner:
         model's join transient)."""
         if self.caches is None:
             self.ids = [ids]
-            if self.merge_single:
+            if self.pages_row(caches):
+                self.caches = [_settled(BatchCompressedKVCache.merge([c]), [ids], single=True) for c in caches]
+                self.merged = True
+            elif self.merge_single:
                 self.caches, self.merged = [_settled(type(c).merge([c])) for c in caches], True
             else:
                 self.caches, self.merged = caches, False
@@ -115,7 +141,10 @@ class Runner:
 
     def filter(self, keep: list[int]) -> None:
         self.ids = [self.ids[i] for i in keep] if len(self.ids) > max(keep, default=-1) else []
-        if not keep:
+        if not keep and self.keep_pages and self.pooled:
+            for c in self.caches:  # the pools stay, their pages free or pinned (`keep_pages`)
+                c.filter([])
+        elif not keep:
             self.caches, self.merged = None, False
         elif self.merged:
             idx = mx.array(keep)
@@ -154,12 +183,12 @@ class Runner:
         return with_logprobs(tokens, lp, seqs)
 
 
-def _settled(cache, ids: list | None = None):
+def _settled(cache, ids: list | None = None, single: bool = False):
     """Materialize a cache's arrays now (packing batch rows first, where they pack; `ids`: the
-    rows' token ids, for paged rows to share prefix pages)."""
+    rows' token ids, for paged rows to share prefix pages; `single`: a lone row into pages too)."""
     pack = getattr(cache, "_maybe_pack", None)
     if pack is not None:
-        pack(ids) if ids is not None else pack()
+        pack(ids, single) if ids is not None else pack()
     state = cache.state
     mx.eval([a for a in (state if isinstance(state, (tuple, list)) else [state]) if isinstance(a, mx.array)])
     return cache

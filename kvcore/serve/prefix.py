@@ -3,14 +3,20 @@ bounded by bytes and looked up by the longest common token prefix.
 
 ```
 store(seq):   its prompt is in -> copy every layer's (state, meta_state) under (adapter, prompt ids)
+store(seq, pages): it joined the pools (paged rows, cache/paged.py) -> pin its prompt's pages instead
 restore(seq): on admission -> the entry of its adapter sharing the longest prefix with its prompt,
               copied into fresh caches, trimmed to the shared tokens (kvcore.engine.reuse); prefill
-              goes on from there (seq.done_prompt)
+              goes on from there (seq.done_prompt), and when the row joins, it takes the entry's
+              pages back (the pools' prefix index) rather than writing its own
 ```
+Where rows page (compressed KV, full attention: the CPU and Metal default) an entry is the pages of
+the pools the running rows use, pinned (a row writing into a pinned token's page copies it first): the prompt
+is held once however many rows and entries share it, and storing copies nothing. Its bytes are its
+pages'. Elsewhere (full-precision KV, windows, CUDA's packed rows, recurrent state) entries are copies.
 Entries are keyed by the row's LoRA adapter (Request.adapter, None for the base model) as well as
 its tokens: the KV of a prompt depends on the adapter it ran under, so one is never reused for another.
 A second chat turn starts with the first turn's prompt, so it prefills only the reply and the new
-message. Entries are copies: the running rows mutate their own caches, never an entry.
+message. The running rows never mutate an entry.
 With a disk tier (spill.py), entries RAM evicts are written to it, and a lookup that finds a
 longer prefix on disk than in RAM loads that file back into RAM.
 """
@@ -32,9 +38,22 @@ Key = tuple  # (adapter folder or None, prompt ids)
 
 @dataclass
 class Entry:
-    layers: list  # per layer: (state, meta_state or None: mlx-lm's caches keep everything in state)
+    layers: list | None  # per layer: (state, meta_state or None: mlx-lm's caches keep everything in state)
     nbytes: int
     on_disk: bool = False  # a copy is in the disk tier already
+    pages: list | None = None  # instead of `layers`: per layer (PagedRows, page ids, tokens), pinned
+
+    def release(self) -> None:
+        """Unpin its pages (the entry leaves RAM)."""
+        for pool, ids, _ in self.pages or ():
+            pool.unpin(ids)
+        self.pages = None
+
+
+def pinned(pages: list) -> Entry:
+    for pool, ids, n in pages:
+        pool.pin(ids, n)
+    return Entry(None, sum(len(ids) * pool.page_bytes for pool, ids, _ in pages), pages=pages)
 
 
 def _arrays(state) -> tuple:
@@ -87,7 +106,7 @@ class PrefixCache:
                     self._keep(key, entry)
         if entry is None or min(shared, len(ids) - 1) < MIN_REUSE:
             return
-        caches = fill(self.new_caches(), entry)
+        caches = self._caches(entry)
         reuse = reuse_prefix(caches, list(key[1]), ids)
         if reuse.blocked or reuse.kept < MIN_REUSE:
             return
@@ -99,12 +118,13 @@ class PrefixCache:
         self.reused_tokens += reuse.kept
         self.reused[seq.id] = reuse.kept
 
-    def store(self, seq) -> None:
+    def store(self, seq, pages: list | None = None) -> None:
+        """Keep `seq`'s prompt: a copy of its caches, or (`pages`: Runner.row_pages) its pinned pages."""
         key = (seq.request.adapter, tuple(seq.request.prompt_ids))
         if key in self.entries:
             self.entries.move_to_end(key)
             return
-        self._keep(key, snapshot(seq.caches))
+        self._keep(key, pinned(pages) if pages is not None else snapshot(seq.caches))
 
     def flush(self) -> None:
         """Every entry RAM holds into the disk tier (on a clean stop), newest last."""
@@ -115,6 +135,7 @@ class PrefixCache:
     def _keep(self, key: Key, entry: Entry) -> None:
         if entry.nbytes > self.capacity:  # beyond RAM's bound: straight to disk, if there is one
             self._spill(key, entry)
+            entry.release()
             return
         self.entries[key] = entry
         self.nbytes += entry.nbytes
@@ -122,8 +143,17 @@ class PrefixCache:
             old_key, old = self.entries.popitem(last=False)
             self.nbytes -= old.nbytes
             self._spill(old_key, old)
+            old.release()
+
+    def _caches(self, entry: Entry) -> list:
+        """Fresh one-row caches holding a copy of `entry` (its pages gathered)."""
+        if entry.pages is not None:
+            return [pool.gather_row(ids, n) for pool, ids, n in entry.pages]
+        return fill(self.new_caches(), entry)
 
     def _spill(self, key: Key, entry: Entry) -> None:
         if self.disk is not None and not entry.on_disk:
-            self.disk.save(key, fill(self.new_caches(), entry), entry.nbytes)
+            caches = self._caches(entry)
+            size = entry.nbytes if entry.pages is None else sum(c.nbytes for c in caches)  # its tokens, not whole pages
+            self.disk.save(key, caches, size)
             entry.on_disk = True
