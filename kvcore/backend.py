@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from functools import lru_cache
 
 import mlx.core as mx
@@ -37,14 +38,30 @@ def failure(e: Exception) -> str:
     return f"{type(e).__name__}: {line}" if line else type(e).__name__
 
 
+CHECKS: list = []  # (what, key, seconds): every admission check this process ran (builds included), in order
+
+
+def timed_check(what: str, key, check):
+    """check() (None or why not), its seconds appended to CHECKS: a first prompt's cost, named piece by piece."""
+    t0 = time.perf_counter()
+    try:
+        return check()
+    finally:
+        CHECKS.append((what, key, round(time.perf_counter() - t0, 3)))
+
+
 class Verdicts(dict):
     """Device launches' admissions, each key checked once: None (admitted) or why not. A check that
     raises (a kernel that cannot build or run here) refuses, naming its error; the portable path serves."""
 
+    def __init__(self, what: str = ""):
+        super().__init__()
+        self.what = what  # names its checks in CHECKS
+
     def admitted(self, key, check) -> bool:
         if key not in self:
             try:
-                self[key] = check()
+                self[key] = timed_check(self.what, key, check)
             except Exception as e:  # noqa: BLE001 - a refusal, not a crash
                 self[key] = failure(e)
         return self[key] is None

@@ -22,7 +22,7 @@ from functools import cache
 
 import mlx.core as mx
 
-from ..backend import backend_name, failure
+from ..backend import backend_name, failure, timed_check
 from ..cache.packed import per_step
 from ..cache.view import DENSE, ENCODED, Joint
 from ..codecs import CodecSpec
@@ -360,7 +360,7 @@ def admitted(plan: Plan, q_dtype) -> bool:
             from .cuda_check import check_plan
 
             try:
-                why = check_plan(plan, q_dtype)
+                why = timed_check("decode", describe(plan, dtype_name(q_dtype)), lambda: check_plan(plan, q_dtype))
             except Exception as e:  # noqa: BLE001 - a kernel that cannot build or run here: the portable path serves
                 why = failure(e)
         _VERDICTS[key] = why

@@ -151,7 +151,7 @@ WORD_SOURCE = r"""
 """
 
 _KERNELS: dict = {}  # (bits, group, pre16) -> kernel object (its constants in its source)
-_VERDICTS = Verdicts()  # (bits, group, dim, dtype) -> None (admitted) or why not
+_VERDICTS = Verdicts("encode")  # (bits, group, dim, dtype) -> None (admitted) or why not
 _COVERS: dict = {}  # (codec class, bits, group, layout, dim, dtype) -> its encoder, or None (asked per decode step)
 THREADS = 128
 DTYPES = (mx.bfloat16, mx.float16, mx.float32)

@@ -41,7 +41,7 @@ SOURCE = r"""
 THREADS = 256
 DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 _KERNELS: dict = {}  # (bits, dim, dtype) -> kernel
-_VERDICTS = Verdicts()  # (bits, dim, dtype) -> None (admitted) or why not
+_VERDICTS = Verdicts("turbo decode")  # (bits, dim, dtype) -> None (admitted) or why not
 
 
 def _kernel(bits: int, dim: int, dtype):

@@ -104,7 +104,7 @@ WARPS = 4  # head vectors per block of 128 threads
 DIMS = (32, 64, 128, 256)
 MISMATCH = 1e-4  # admitted: cells differing from the portable encode's in at most this share of coordinates
 _KERNELS: dict = {}  # (bits, dim) -> kernel
-_VERDICTS = Verdicts()  # (bits, dim, dtype) -> None (admitted) or why not
+_VERDICTS = Verdicts("turbo encode")  # (bits, dim, dtype) -> None (admitted) or why not
 
 
 def enabled() -> bool:
