@@ -180,6 +180,16 @@ def baseline_band(rows: list[dict]) -> dict:
     return {"tps": tps, "low": BAND[0], "high": BAND[1], "in_band": tps is not None and BAND[0] <= tps <= BAND[1]}
 
 
+def paired(mine: list[dict], base: list[dict]) -> dict | None:
+    """This row's tok/s over mlx-lm bf16's in the same repeat (adjacent in time, so a drift of the machine
+    between repeats cancels): median, min, max of the per-repeat ratios."""
+    r = [a["decode_tps"] / b["decode_tps"] for a, b in zip(mine, base)
+         if a.get("decode_tps") and b.get("decode_tps")]
+    if not r:
+        return None
+    return {"median": round(statistics.median(r), 3), "min": round(min(r), 3), "max": round(max(r), 3), "n": len(r)}
+
+
 def case(engine: str, scheme: str, ctx: int, batch: int, runs: list[dict], extra: dict | None = None) -> None:
     ok = [r for r in runs if "error" not in r]
     row = {"engine": engine, "scheme": scheme, "context": ctx, "batch": batch, **(extra or {})}
@@ -292,7 +302,11 @@ def main() -> None:
                     runs[i].append(guarded(mlxkv_decode, model, cfg, scheme, ctx, rows, a.gen, kernel))
                 mx.clear_cache()
         for i, (eng, scheme, kernel) in enumerate(engines):
-            case(eng, scheme, ctx, rows, runs[i], {"kernel": kernel} if eng == "mlxkv" else None)
+            base = next((j for j, e in enumerate(engines) if e[:2] == ("mlx-lm", "bf16")), None)
+            extra = {"kernel": kernel} if eng == "mlxkv" else {}
+            if eng == "mlxkv" and base is not None:
+                extra["x_mlx_lm"] = paired(runs[i], runs[base])
+            case(eng, scheme, ctx, rows, runs[i], extra or None)
     first: dict = {}  # scheme -> the first short prompt's seconds (its kernels built and checked: timed apart)
     for ctx in prefills:
         schemes = [None, "affine:4", "turbo:k4v3"] + (list(PREFILL_VARIANTS) if ctx == max(prefills) else [])
@@ -319,7 +333,8 @@ def main() -> None:
     for r in ROWS:
         print(f"{r['engine']:7} {r['scheme']:11} {r['context']:>7} {r['batch']:>3} {r.get('decode_tps', 0):8.1f} "
               f"{r.get('prefill_tps', 0):8.0f} {r.get('peak_memory_gb', 0):7.2f}  "
-              f"{({True: 'kernel ', 'default': 'default '}.get(r.get('kernel'), '')) + (r.get('error') or (r.get('attention') or {}).get('path', ''))}")
+              f"{({True: 'kernel ', 'default': 'default '}.get(r.get('kernel'), '')) + (r.get('error') or (r.get('attention') or {}).get('path', ''))}"
+              + (f"  x{r['x_mlx_lm']['median']:.2f} ({r['x_mlx_lm']['min']:.2f}-{r['x_mlx_lm']['max']:.2f})" if r.get("x_mlx_lm") else ""))
     band = meta["baseline"]
     if band["tps"] is not None:
         print(f"mlx-lm bf16 at 32k: {band['tps']:.1f} tok/s, {'inside' if band['in_band'] else 'OUTSIDE'} issue 13's "

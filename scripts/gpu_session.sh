@@ -11,7 +11,9 @@
 # 2. decode at 32k and 128k, 3 interleaved repeats, mlx-lm bf16 against affine:4 and turbo:k4v3 on the kernel
 #    (issue 13's P2 and P9 with the new defaults);
 # 3. ncu's stall reasons of the affine:4 kernel at 32k (where it streams at 0.61 TB/s);
-# 4. keys and values a tile ahead (MLXKV_CUDA_PREFETCH=2, cut off in run 12) against form 1.
+# 4. keys and values a tile ahead (MLXKV_CUDA_PREFETCH=2, cut off in run 12) against form 1;
+# 5. form 1 at 4k and 16k: with run 12's 32k and 128k (same 520-block grid at both), how the launch's time
+#    splits into a fixed part and a per-token part (run 12 fits 42 us fixed + 20 us per 32k of tokens).
 # The whole suite is scripts/gpu_suite.sh (run it after this: serve's prefix cache now pins pages).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,4 +26,5 @@ step bench 150 python3 scripts/gpu_bench.py --contexts 32768,131072 --no-prefill
 step stalls 45 env OUT="$RES" MODE=stalls CONTEXTS="32768" VARIANTS="MLXKV_CUDA_MMA=1" bash scripts/gpu_kernel_ab.sh
 step ab-prefetch 75 env OUT="$RES" CONTEXTS="32768 131072" VARIANTS="MLXKV_CUDA_PREFETCH=2,MLXKV_CUDA_TARGET_BLOCKS=396" \
   bash scripts/gpu_kernel_ab.sh
+step ab-lengths 45 env OUT="$RES" CONTEXTS="4096 16384" VARIANTS="MLXKV_CUDA_MMA=1" bash scripts/gpu_kernel_ab.sh
 exit 0
