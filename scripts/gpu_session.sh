@@ -11,7 +11,9 @@
 # 2. decode at 32k and 128k, 3 interleaved repeats, mlx-lm bf16 against affine:4 and turbo:k4v3 on the kernel
 #    (issue 13's P2 and P9 with the new defaults);
 # 3. ncu's stall reasons of the affine:4 kernel at 32k (where it streams at 0.61 TB/s);
-# 4. keys and values a tile ahead (MLXKV_CUDA_PREFETCH=2, cut off in run 12) against form 1;
+# 4. form 1 asking L2 for each warp's next tile (MLXKV_CUDA_PREFETCH=3, new, built on CPU: 127 registers at
+#    4 blocks an SM, three CCTL.E.PF2 at the tile's start, form 1's loads and arithmetic unchanged): its device
+#    tests (bit for bit form 1), then the A/B at 32k and 128k against form 1;
 # 5. form 1 at 4k and 16k: with run 12's 32k and 128k (same 520-block grid at both), how the launch's time
 #    splits into a fixed part and a per-token part (run 12 fits 42 us fixed + 20 us per 32k of tokens).
 # The whole suite is scripts/gpu_suite.sh (run it after this: serve's prefix cache now pins pages).
@@ -19,12 +21,12 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 TAIL_LINES=12 source scripts/gpu_steps.sh
 python3 -c "import mlx.core as mx, mlx_lm; print('device', mx.default_device(), 'mlx', mx.__version__, 'mlx-lm', mlx_lm.__version__)"
-step prefill 200 python3 scripts/gpu_bench.py --contexts 1 --prefill-contexts 131072 --repeats 1 --budget-s 185 \
+step prefill 190 python3 scripts/gpu_bench.py --contexts 1 --prefill-contexts 131072 --repeats 1 --budget-s 185 \
   --output "$RES/h200-llama-8b-run13-prefill.json"
-step bench 150 python3 scripts/gpu_bench.py --contexts 32768,131072 --no-prefill --repeats 3 --budget-s 135 \
+step bench 140 python3 scripts/gpu_bench.py --contexts 32768,131072 --no-prefill --repeats 3 --budget-s 125 \
   --only mlx-lm/bf16,mlxkv/affine:4/True,mlxkv/turbo:k4v3/True --output "$RES/h200-llama-8b-run13.json"
 step stalls 45 env OUT="$RES" MODE=stalls CONTEXTS="32768" VARIANTS="MLXKV_CUDA_MMA=1" bash scripts/gpu_kernel_ab.sh
-step ab-prefetch 75 env OUT="$RES" CONTEXTS="32768 131072" VARIANTS="MLXKV_CUDA_PREFETCH=2,MLXKV_CUDA_TARGET_BLOCKS=396" \
-  bash scripts/gpu_kernel_ab.sh
+step tests-prefetch 55 python3 -m pytest -q -p no:cacheprovider -n 16 --timeout 50 -rfEs tests/test_cuda_prefetch.py
+step ab-l2 80 env OUT="$RES" CONTEXTS="32768 131072" VARIANTS="MLXKV_CUDA_MMA=1 MLXKV_CUDA_PREFETCH=3" bash scripts/gpu_kernel_ab.sh
 step ab-lengths 45 env OUT="$RES" CONTEXTS="4096 16384" VARIANTS="MLXKV_CUDA_MMA=1" bash scripts/gpu_kernel_ab.sh
 exit 0

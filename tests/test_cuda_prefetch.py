@@ -1,4 +1,4 @@
-"""Form 1 with the next tile's keys (MLXKV_CUDA_PREFETCH=1), or keys and values (=2), loaded a tile ahead
+"""Form 1 with the next tile's keys (MLXKV_CUDA_PREFETCH=1), or keys and values (=2), loaded a tile ahead, or asked of L2 (=3)
 (kvcore/attention/cuda_prefetch.py): on CPU, that its text is form 1's loop with exactly the loads moved (the same
 arithmetic in the same order); on CUDA, that it passes the admission check and gives form 1's outputs bit for bit."""
 
@@ -50,6 +50,12 @@ def test_where_the_prefetch_body_applies(monkeypatch):
     assert both != text and "wn[nb][j]" in both
     monkeypatch.delenv("MLXKV_CUDA_MIN_BLOCKS", raising=False)
     assert cuda_prefetch.min_blocks(4) == 3 and cuda_prefetch.min_blocks(2) == 2
+    monkeypatch.setenv("MLXKV_CUDA_PREFETCH", "3")  # the next tile asked of L2: form 1's loads and registers
+    assert cuda_kernels._special(plan) == ("prefetch", 3, 0) and cuda_prefetch.min_blocks(4) == 4
+    l2 = cuda_kernels.body(1, "prefetch", 3)
+    assert l2.count("prefetch.global.L2") == 3 and "wn[nb][j]" not in l2
+    assert cuda_prefetch.loop(3).replace(cuda_prefetch.L2_AHEAD, "") == cuda_mma.LOOP  # nothing else changed
+    assert l2.index("prefetch.global.L2") < l2.index("mma16816(s[nb]")
     monkeypatch.setenv("MLXKV_CUDA_MIN_BLOCKS", "4")
     assert cuda_prefetch.min_blocks(4) == 4
 
@@ -60,7 +66,7 @@ def test_where_the_prefetch_body_applies(monkeypatch):
                                                                 (2, 32, 2, 32, 64, 8, 1, False),
                                                                 (4, 64, 4, 64, 128, 4, 1, True)])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("level", ["1", "2"])
+@pytest.mark.parametrize("level", ["1", "2", "3"])
 def test_the_prefetch_body_is_form_1_bit_for_bit_on_the_device(monkeypatch, kb, kg, vb, vg, dim, rep, n, paged, dtype,
                                                                level):
     plan = Plan(Side("affine", kb, kg, dim), Side("affine", vb, vg, dim), rep, n, paged, 1)

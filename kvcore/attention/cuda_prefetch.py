@@ -18,6 +18,12 @@ costs ~12 registers across the loop (two tokens' key words and their groups' sca
 blocks per SM leave, so this form is built for `MLXKV_CUDA_MIN_BLOCKS` = 3 unless that is set.
 With values too (`=2`), tile t + 1's value words, scales and biases are loaded once tile t's value products
 are done, so they arrive during tile t + 1's key products and softmax: no wait on a load inside a tile.
+`=3` leaves form 1's loads as they are and, at the start of each tile, asks L2 for the warp's next tile
+(`prefetch.global.L2`: lanes 0-15 its 16 tokens' key rows, scales and biases, lanes 16-31 their values'), so
+that tile's loads, issued where form 1 issues them, find their lines in L2 instead of DRAM. It holds no
+register across the tile (ptxas sinks loads to their use: moving form 1's value loads above the scores in C++
+left them below the score products in SASS, so registers cannot buy the early issue; a prefetch has no result
+to sink). Run 12: `=1` tied form 1 at 32k and lost 4% at 128k; `=2` was not timed.
 """
 
 from __future__ import annotations
@@ -31,9 +37,9 @@ BLOCKS = 3  # blocks per SM this form is built for (168 registers a thread) unle
 
 
 def level() -> int:
-    """MLXKV_CUDA_PREFETCH: 0 (default) off, 1 keys a tile ahead, 2 keys and values."""
+    """MLXKV_CUDA_PREFETCH: 0 (default) off, 1 keys a tile ahead, 2 keys and values, 3 values with the keys."""
     v = os.environ.get("MLXKV_CUDA_PREFETCH", "0")
-    return int(v) if v in ("1", "2") else 0
+    return int(v) if v in ("1", "2", "3") else 0
 
 
 def enabled() -> bool:
@@ -41,7 +47,11 @@ def enabled() -> bool:
 
 
 def min_blocks(default: int) -> int:
-    return int(os.environ["MLXKV_CUDA_MIN_BLOCKS"]) if "MLXKV_CUDA_MIN_BLOCKS" in os.environ else min(default, BLOCKS)
+    """Blocks per SM to build for: MLXKV_CUDA_MIN_BLOCKS, else form 1's for the L2 prefetch (it holds no more
+    registers), else at most BLOCKS."""
+    if "MLXKV_CUDA_MIN_BLOCKS" in os.environ:
+        return int(os.environ["MLXKV_CUDA_MIN_BLOCKS"])
+    return default if level() == 3 else min(default, BLOCKS)
 
 
 def _swap(text: str, pairs: list[tuple[str, str]]) -> str:
@@ -132,6 +142,28 @@ def _loop_ahead_values() -> str:
                                  (VALUE_LOADS + VALUES, VALUES + next_values)])
 
 
+L2_AHEAD = r"""    if (t0 + 16 * NWARP < t_end) {  // the warp's next tile into L2: no register held, nothing to wait for
+      const int tn = min(t0 + 16 * NWARP + (lane & 15), t_end - 1);
+      const int tpn = PAGED ? tn % PAGE : tn;
+      const bool vside = lane >= 16;
+      const unsigned char* row = vside ? row_base(vw, 4, vw_strides.data(), pb_next, h + VH) + tpn * vtb
+                                       : row_base(kw, 4, kw_strides.data(), pb_next, h) + tpn * ktb;
+      const void* sc = vside ? (const void*)(vs + pb_next * vs_strides[0] + (h + VH) * vs_strides[1] + (long long)tpn * vs_strides[2])
+                             : (const void*)(ks + pb_next * ks_strides[0] + h * ks_strides[1] + (long long)tpn * ks_strides[2]);
+      const void* bi = vside ? (const void*)(vb + pb_next * vb_strides[0] + (h + VH) * vb_strides[1] + (long long)tpn * vb_strides[2])
+                             : (const void*)(kb + pb_next * kb_strides[0] + h * kb_strides[1] + (long long)tpn * kb_strides[2]);
+      asm volatile("prefetch.global.L2 [%0];" :: "l"(row));
+      asm volatile("prefetch.global.L2 [%0];" :: "l"(sc));
+      asm volatile("prefetch.global.L2 [%0];" :: "l"(bi));
+    }
+"""
+
+
+@cache
+def _loop_l2_ahead() -> str:
+    return _swap(LOOP, [(SCORES, L2_AHEAD + SCORES)])
+
+
 def loop(lvl: int) -> str:
-    """Form 1's loop with its loads a tile ahead: keys (1), keys and values (2)."""
-    return _loop_ahead_values() if lvl == 2 else _loop_ahead()
+    """Form 1's loop with its loads a tile ahead: keys (1), keys and values (2); or the next tile asked of L2 (3)."""
+    return {2: _loop_ahead_values, 3: _loop_l2_ahead}.get(lvl, _loop_ahead)()
