@@ -126,3 +126,25 @@ def test_without_a_prefix_cache_the_pools_go_with_the_batch(lm):
     engine = Engine(model, tok, policy, 2, GenerateConfig(prefill_chunk=CHUNK), ignore_eos=True)
     engine.run([Request(prompt(40, 5), 3, "p")])
     assert engine.runner.caches is None  # a lone row as built, dropped when it ends (unchanged)
+
+
+def test_a_row_that_cannot_page_turns_the_entries_into_copies(lm):
+    """A delayed conversion start: a prompt past it pages, one short of it does not, and joining it takes
+    the batch out of pages, so the entries become copies (no entry keeps a pool the rows left)."""
+    model, tok, _ = lm
+    policy = resolve_policy(KVOptions(kv_bits=4, kv_group_size=64, quantized_kv_start=200))
+    engine = Engine(model, tok, policy, 2, GenerateConfig(prefill_chunk=CHUNK), ignore_eos=True)
+    engine.prefix = PrefixCache(2**30, engine.runner.new_caches)
+    long, short = prompt(PAGE + 150, 6), prompt(40, 7)
+    engine.run([Request(long, 3, "long")])
+    entry = engine.prefix.entries[(None, long)]
+    assert entry.pages is not None
+    pool = entry.pages[0][0]
+    engine.run([Request(short, 3, "short")])
+    assert not engine.runner.pooled and not pool.pins  # the batch left the pools; nothing pins them
+    copy = engine.prefix.entries[(None, long)]
+    assert copy.pages is None and copy.layers is not None
+    assert engine.prefix.nbytes == sum(e.nbytes for e in engine.prefix.entries.values())
+    (again,) = engine.run([Request(long + (9,), 4, "again")])
+    model_alone = Engine(model, tok, policy, 2, GenerateConfig(prefill_chunk=CHUNK), ignore_eos=True)
+    assert engine.prefix.hits == 1 and again.token_ids == model_alone.run([Request(long + (9,), 4, "x")])[0].token_ids

@@ -182,6 +182,8 @@ class Engine:
             return events
         events += self.decoder.before_change(self)
         events += self._drop_finished()
+        if self.prefix is not None and not paged and self.runner.pooled:
+            self.prefix.unpool()  # this row cannot page: the batch leaves the pools, entries become copies
         self.runner.join(seq.caches, list(seq.request.prompt_ids))
         if paged:  # its prompt's pages in the pools, pinned by the entry (no copy)
             self.prefix.store(seq, self.runner.row_pages(len(self.runner.ids) - 1))

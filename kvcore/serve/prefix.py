@@ -126,6 +126,20 @@ class PrefixCache:
             return
         self._keep(key, pinned(pages) if pages is not None else snapshot(seq.caches))
 
+    def unpool(self) -> None:
+        """The pools are about to go (a row that cannot page joins, and the batch leaves pages): every
+        entry of pages becomes a copy, so no entry keeps a pool alive that the rows no longer use."""
+        for key, entry in list(self.entries.items()):
+            if entry.pages is not None:
+                copy = snapshot(self._caches(entry), entry.on_disk)
+                entry.release()
+                self.nbytes += copy.nbytes - entry.nbytes
+                self.entries[key] = copy
+        while self.nbytes > self.capacity and self.entries:
+            old_key, old = self.entries.popitem(last=False)
+            self.nbytes -= old.nbytes
+            self._spill(old_key, old)
+
     def flush(self) -> None:
         """Every entry RAM holds into the disk tier (on a clean stop), newest last."""
         for key, entry in self.entries.items():
