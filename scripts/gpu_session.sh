@@ -26,7 +26,7 @@ step prefill 190 python3 scripts/gpu_bench.py --contexts 1 --prefill-contexts 13
 step bench 140 python3 scripts/gpu_bench.py --contexts 32768,131072 --no-prefill --repeats 3 --budget-s 125 \
   --only mlx-lm/bf16,mlxkv/affine:4/True,mlxkv/turbo:k4v3/True --output "$RES/h200-llama-8b-run13.json"
 step stalls 45 env OUT="$RES" MODE=stalls CONTEXTS="32768" VARIANTS="MLXKV_CUDA_MMA=1" bash scripts/gpu_kernel_ab.sh
-step tests-prefetch 55 python3 -m pytest -q -p no:cacheprovider -n 16 --timeout 50 -rfEs tests/test_cuda_prefetch.py
+step tests-prefetch 70 python3 -m pytest -q -p no:cacheprovider -n 16 --timeout 65 -rfEs tests/test_cuda_prefetch.py
 step ab-l2 80 env OUT="$RES" CONTEXTS="32768 131072" VARIANTS="MLXKV_CUDA_MMA=1 MLXKV_CUDA_PREFETCH=3" bash scripts/gpu_kernel_ab.sh
 step ab-lengths 45 env OUT="$RES" CONTEXTS="4096 16384" VARIANTS="MLXKV_CUDA_MMA=1" bash scripts/gpu_kernel_ab.sh
 exit 0
