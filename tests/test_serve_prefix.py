@@ -12,6 +12,7 @@ import pytest
 from mlx_lm import load
 
 from serve_helpers import get, metric
+from kvcore.backend import backend_name
 from kvcore.engine import Engine, GenerateConfig, Request, generate_one
 from kvcore.engine.reuse import common_prefix
 from kvcore.policy import KVOptions, build_caches, resolve_policy
@@ -94,6 +95,11 @@ def test_a_second_turn_reuses_the_first_and_returns_the_same_tokens(openai, serv
     for key, more in (("hits_total", 1), ("reused_tokens_total", shared), ("entries", 2)):  # entries: both turns
         assert metric(text, "prefix_cache_" + key) == metric(before, "prefix_cache_" + key) + more
     assert 0 < metric(text, "prefix_cache_bytes") <= metric(text, "prefix_cache_capacity_bytes")
+    kinds = server.worker.call(lambda e: [x.pages is not None for x in e.prefix.entries.values()]).result(timeout=30)
+    if backend_name() == "cuda":
+        assert not any(kinds)  # CUDA packs its rows: the entries are copies
+    else:
+        assert kinds and all(kinds)  # the rows page: the entries are the pools' pinned pages, not copies
 
 
 def test_the_cache_is_an_lru_bounded_by_bytes(tiny_models):
