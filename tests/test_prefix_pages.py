@@ -33,9 +33,12 @@ def prompt(n: int, seed: int) -> tuple:
     return tuple(int(x) for x in mx.random.randint(3, 200, (n,), key=mx.random.key(seed)).tolist())
 
 
+PAGED = AttentionConfig(paged=True)  # the CPU and Metal default; CUDA packs its rows unless told
+
+
 def engine_with(lm, capacity: int = 2**30) -> Engine:
     model, tok, policy = lm
-    engine = Engine(model, tok, policy, 2, GenerateConfig(prefill_chunk=CHUNK), ignore_eos=True)
+    engine = Engine(model, tok, policy, 2, GenerateConfig(prefill_chunk=CHUNK), ignore_eos=True, attention=PAGED)
     engine.prefix = PrefixCache(capacity, engine.runner.new_caches)
     return engine
 
@@ -133,7 +136,7 @@ def test_a_row_that_cannot_page_turns_the_entries_into_copies(lm):
     the batch out of pages, so the entries become copies (no entry keeps a pool the rows left)."""
     model, tok, _ = lm
     policy = resolve_policy(KVOptions(kv_bits=4, kv_group_size=64, quantized_kv_start=200))
-    engine = Engine(model, tok, policy, 2, GenerateConfig(prefill_chunk=CHUNK), ignore_eos=True)
+    engine = Engine(model, tok, policy, 2, GenerateConfig(prefill_chunk=CHUNK), ignore_eos=True, attention=PAGED)
     engine.prefix = PrefixCache(2**30, engine.runner.new_caches)
     long, short = prompt(PAGE + 150, 6), prompt(40, 7)
     engine.run([Request(long, 3, "long")])
