@@ -13,9 +13,8 @@
 # 3. ncu's stall reasons of the affine:4 kernel at 32k (where it streams at 0.61 TB/s);
 # 4. form 1 asking L2 for each warp's next tile (MLXKV_CUDA_PREFETCH=3, new, built on CPU: 127 registers at
 #    4 blocks an SM, three CCTL.E.PF2 at the tile's start, form 1's loads and arithmetic unchanged): its device
-#    tests (bit for bit form 1), then the A/B at 32k and 128k against form 1;
-# 5. form 1 at 4k and 16k: with run 12's 32k and 128k (same 520-block grid at both), how the launch's time
-#    splits into a fixed part and a per-token part (run 12 fits 42 us fixed + 20 us per 32k of tokens).
+#    tests (bit for bit form 1), then the A/B at 32k and 128k against form 1, one tile and two tiles ahead
+#    (MLXKV_CUDA_L2_AHEAD=2). Form 1 at 4k and 16k is in scripts/gpu_session_after.sh.
 # The whole suite is scripts/gpu_suite.sh (run it after this: serve's prefix cache now pins pages).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,7 +25,7 @@ step prefill 190 python3 scripts/gpu_bench.py --contexts 1 --prefill-contexts 13
 step bench 140 python3 scripts/gpu_bench.py --contexts 32768,131072 --no-prefill --repeats 3 --budget-s 125 \
   --only mlx-lm/bf16,mlxkv/affine:4/True,mlxkv/turbo:k4v3/True --output "$RES/h200-llama-8b-run13.json"
 step stalls 45 env OUT="$RES" MODE=stalls CONTEXTS="32768" VARIANTS="MLXKV_CUDA_MMA=1" bash scripts/gpu_kernel_ab.sh
-step tests-prefetch 70 python3 -m pytest -q -p no:cacheprovider -n 16 --timeout 65 -rfEs tests/test_cuda_prefetch.py
-step ab-l2 80 env OUT="$RES" CONTEXTS="32768 131072" VARIANTS="MLXKV_CUDA_MMA=1 MLXKV_CUDA_PREFETCH=3" bash scripts/gpu_kernel_ab.sh
-step ab-lengths 45 env OUT="$RES" CONTEXTS="4096 16384" VARIANTS="MLXKV_CUDA_MMA=1" bash scripts/gpu_kernel_ab.sh
+step tests-prefetch 85 python3 -m pytest -q -p no:cacheprovider -n 16 --timeout 80 -rfEs tests/test_cuda_prefetch.py
+step ab-l2 110 env OUT="$RES" CONTEXTS="32768 131072" \
+  VARIANTS="MLXKV_CUDA_MMA=1 MLXKV_CUDA_PREFETCH=3 MLXKV_CUDA_PREFETCH=3,MLXKV_CUDA_L2_AHEAD=2" bash scripts/gpu_kernel_ab.sh
 exit 0

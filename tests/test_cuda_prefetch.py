@@ -51,11 +51,16 @@ def test_where_the_prefetch_body_applies(monkeypatch):
     monkeypatch.delenv("MLXKV_CUDA_MIN_BLOCKS", raising=False)
     assert cuda_prefetch.min_blocks(4) == 3 and cuda_prefetch.min_blocks(2) == 2
     monkeypatch.setenv("MLXKV_CUDA_PREFETCH", "3")  # the next tile asked of L2: form 1's loads and registers
-    assert cuda_kernels._special(plan) == ("prefetch", 3, 0) and cuda_prefetch.min_blocks(4) == 4
-    l2 = cuda_kernels.body(1, "prefetch", 3)
+    monkeypatch.delenv("MLXKV_CUDA_L2_AHEAD", raising=False)
+    assert cuda_kernels._special(plan) == ("prefetch", 3, 1) and cuda_prefetch.min_blocks(4) == 4
+    l2 = cuda_kernels.body(1, "prefetch", 3, 1)
     assert l2.count("prefetch.global.L2") == 3 and "wn[nb][j]" not in l2
-    assert cuda_prefetch.loop(3).replace(cuda_prefetch.L2_AHEAD, "") == cuda_mma.LOOP  # nothing else changed
+    one = cuda_prefetch.L2_AHEAD.replace("L2D", "1")
+    assert cuda_prefetch.loop(3).replace(one, "") == cuda_mma.LOOP  # nothing else changed
     assert l2.index("prefetch.global.L2") < l2.index("mma16816(s[nb]")
+    monkeypatch.setenv("MLXKV_CUDA_L2_AHEAD", "2")  # two of the warp's tiles on: its own kernel
+    assert cuda_kernels._special(plan) == ("prefetch", 3, 2)
+    assert "16 * NWARP * 2" in cuda_prefetch.loop(3, 2) and cuda_kernels.body(1, "prefetch", 3, 2) != l2
     monkeypatch.setenv("MLXKV_CUDA_MIN_BLOCKS", "4")
     assert cuda_prefetch.min_blocks(4) == 4
 
@@ -66,17 +71,18 @@ def test_where_the_prefetch_body_applies(monkeypatch):
                                                                 (2, 32, 2, 32, 64, 8, 1, False),
                                                                 (4, 64, 4, 64, 128, 4, 1, True)])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("level", ["1", "2", "3"])
+@pytest.mark.parametrize("level", ["1", "2", "3", "3-2"])  # 3-2: L2 two of the warp's tiles ahead
 def test_the_prefetch_body_is_form_1_bit_for_bit_on_the_device(monkeypatch, kb, kg, vb, vg, dim, rep, n, paged, dtype,
                                                                level):
     plan = Plan(Side("affine", kb, kg, dim), Side("affine", vb, vg, dim), rep, n, paged, 1)
     q_dtype = getattr(mx, dtype)
     q, launch, _, sinks, scale, split = check_inputs(plan, q_dtype, seed=3)
     outs = {}
-    for on in ("0", level):
+    monkeypatch.setenv("MLXKV_CUDA_L2_AHEAD", level.partition("-")[2] or "1")
+    for on in ("0", level.partition("-")[0]):
         monkeypatch.setenv("MLXKV_CUDA_PREFETCH", on)
         assert check_plan(plan, q_dtype, seed=1) is None
         outs[on] = cuda_kernels.partials(q, launch, plan, scale, 2, split, sinks=sinks, fused=True)
         mx.eval(outs[on])
-    for a, b in zip(outs["0"], outs[level]):
+    for a, b in zip(outs["0"], outs[level.partition("-")[0]]):
         assert mx.array_equal(a, b).item()

@@ -95,7 +95,8 @@ def _special(plan: Plan) -> tuple[str, int, int]:
     if plan.mma and plan.key.kind == "affine" and not cuda_mma.word_fits(plan.key, plan.value):
         return "chunk", plan.key.dim, plan.value.dim
     if int(plan.mma) == 1 and cuda_prefetch.enabled():  # the word body with its loads a tile ahead (opt-in)
-        return "prefetch", cuda_prefetch.level(), 0
+        lvl = cuda_prefetch.level()
+        return "prefetch", lvl, cuda_prefetch.distance() if lvl == 3 else 0
     return "", 0, 0
 
 
@@ -109,8 +110,8 @@ def body(mma: int, special: str = "", key_dim: int = 0, value_dim: int = 0) -> s
         main = cuda_turbo_mma.body(value_dim)
     elif special == "chunk":
         main = cuda_chunk_mma.body(key_dim, value_dim)
-    elif special == "prefetch":  # key_dim: the prefetch level (1: keys, 2: keys and values)
-        main = cuda_mma.PRELUDE + cuda_mma.QUERIES + cuda_prefetch.loop(key_dim) + cuda_mma.MERGE
+    elif special == "prefetch":  # key_dim: the level (1 keys, 2 keys and values, 3 L2); value_dim: L2's distance
+        main = cuda_mma.PRELUDE + cuda_mma.QUERIES + cuda_prefetch.loop(key_dim, value_dim or 1) + cuda_mma.MERGE
     else:
         main = bodies[int(mma)]
     return src.compact(src.prologue() + main + src.tail())

@@ -18,8 +18,8 @@ costs ~12 registers across the loop (two tokens' key words and their groups' sca
 blocks per SM leave, so this form is built for `MLXKV_CUDA_MIN_BLOCKS` = 3 unless that is set.
 With values too (`=2`), tile t + 1's value words, scales and biases are loaded once tile t's value products
 are done, so they arrive during tile t + 1's key products and softmax: no wait on a load inside a tile.
-`=3` leaves form 1's loads as they are and, at the start of each tile, asks L2 for the warp's next tile
-(`prefetch.global.L2`: lanes 0-15 its 16 tokens' key rows, scales and biases, lanes 16-31 their values'), so
+`=3` leaves form 1's loads as they are and, at the start of each tile, asks L2 for the warp's next tile (or the
+one `MLXKV_CUDA_L2_AHEAD` tiles on; paged rows look that tile's page up) (`prefetch.global.L2`: lanes 0-15 its 16 tokens' key rows, scales and biases, lanes 16-31 their values'), so
 that tile's loads, issued where form 1 issues them, find their lines in L2 instead of DRAM. It holds no
 register across the tile (ptxas sinks loads to their use: moving form 1's value loads above the scores in C++
 left them below the score products in SASS, so registers cannot buy the early issue; a prefetch has no result
@@ -142,16 +142,17 @@ def _loop_ahead_values() -> str:
                                  (VALUE_LOADS + VALUES, VALUES + next_values)])
 
 
-L2_AHEAD = r"""    if (t0 + 16 * NWARP < t_end) {  // the warp's next tile into L2: no register held, nothing to wait for
-      const int tn = min(t0 + 16 * NWARP + (lane & 15), t_end - 1);
+L2_AHEAD = r"""    if (t0 + 16 * NWARP * L2D < t_end) {  // the warp's tile L2D ahead into L2: no register held, nothing to wait for
+      const int tn = min(t0 + 16 * NWARP * L2D + (lane & 15), t_end - 1);
       const int tpn = PAGED ? tn % PAGE : tn;
+      const int pbl = L2D == 1 ? pb_next : (PAGED ? ptab[b * PTW + tn / PAGE] : b);  // that tile's page
       const bool vside = lane >= 16;
-      const unsigned char* row = vside ? row_base(vw, 4, vw_strides.data(), pb_next, h + VH) + tpn * vtb
-                                       : row_base(kw, 4, kw_strides.data(), pb_next, h) + tpn * ktb;
-      const void* sc = vside ? (const void*)(vs + pb_next * vs_strides[0] + (h + VH) * vs_strides[1] + (long long)tpn * vs_strides[2])
-                             : (const void*)(ks + pb_next * ks_strides[0] + h * ks_strides[1] + (long long)tpn * ks_strides[2]);
-      const void* bi = vside ? (const void*)(vb + pb_next * vb_strides[0] + (h + VH) * vb_strides[1] + (long long)tpn * vb_strides[2])
-                             : (const void*)(kb + pb_next * kb_strides[0] + h * kb_strides[1] + (long long)tpn * kb_strides[2]);
+      const unsigned char* row = vside ? row_base(vw, 4, vw_strides.data(), pbl, h + VH) + tpn * vtb
+                                       : row_base(kw, 4, kw_strides.data(), pbl, h) + tpn * ktb;
+      const void* sc = vside ? (const void*)(vs + pbl * vs_strides[0] + (h + VH) * vs_strides[1] + (long long)tpn * vs_strides[2])
+                             : (const void*)(ks + pbl * ks_strides[0] + h * ks_strides[1] + (long long)tpn * ks_strides[2]);
+      const void* bi = vside ? (const void*)(vb + pbl * vb_strides[0] + (h + VH) * vb_strides[1] + (long long)tpn * vb_strides[2])
+                             : (const void*)(kb + pbl * kb_strides[0] + h * kb_strides[1] + (long long)tpn * kb_strides[2]);
       asm volatile("prefetch.global.L2 [%0];" :: "l"(row));
       asm volatile("prefetch.global.L2 [%0];" :: "l"(sc));
       asm volatile("prefetch.global.L2 [%0];" :: "l"(bi));
@@ -159,11 +160,20 @@ L2_AHEAD = r"""    if (t0 + 16 * NWARP < t_end) {  // the warp's next tile into 
 """
 
 
+def distance() -> int:
+    """MLXKV_CUDA_L2_AHEAD: how many of the warp's tiles ahead `=3` asks L2 for (1, the default, to 4)."""
+    v = os.environ.get("MLXKV_CUDA_L2_AHEAD", "1")
+    return int(v) if v in ("1", "2", "3", "4") else 1
+
+
 @cache
-def _loop_l2_ahead() -> str:
-    return _swap(LOOP, [(SCORES, L2_AHEAD + SCORES)])
+def _loop_l2_ahead(ahead: int) -> str:
+    return _swap(LOOP, [(SCORES, L2_AHEAD.replace("L2D", str(ahead)) + SCORES)])
 
 
-def loop(lvl: int) -> str:
-    """Form 1's loop with its loads a tile ahead: keys (1), keys and values (2); or the next tile asked of L2 (3)."""
-    return {2: _loop_ahead_values, 3: _loop_l2_ahead}.get(lvl, _loop_ahead)()
+def loop(lvl: int, ahead: int = 1) -> str:
+    """Form 1's loop with its loads a tile ahead: keys (1), keys and values (2); or the warp's tile `ahead`
+    tiles on asked of L2 (3)."""
+    if lvl == 3:
+        return _loop_l2_ahead(ahead)
+    return _loop_ahead_values() if lvl == 2 else _loop_ahead()
