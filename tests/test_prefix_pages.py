@@ -3,7 +3,7 @@ rows run in, not a copy. A second prompt sharing the first's prefix takes the sa
 of pages for both rows and both entries) and returns exactly what it returns prefilled alone; a row
 writing into a pinned page copies it first, so the entry still holds the prompt; an evicted entry hands
 its pages back to the free ones; the pools outlive an empty batch (and, without a prefix cache, go with
-it as before)."""
+it as before) but give back what no entry pins; a row that cannot page turns the entries into copies."""
 
 from __future__ import annotations
 
@@ -151,3 +151,18 @@ def test_a_row_that_cannot_page_turns_the_entries_into_copies(lm):
     (again,) = engine.run([Request(long + (9,), 4, "again")])
     model_alone = Engine(model, tok, policy, 2, GenerateConfig(prefill_chunk=CHUNK), ignore_eos=True)
     assert engine.prefix.hits == 1 and again.token_ids == model_alone.run([Request(long + (9,), 4, "x")])[0].token_ids
+
+
+def test_an_idle_pool_gives_back_what_no_entry_pins(lm):
+    """After a burst of rows the pool holds their decode pages too; once the batch is empty it keeps only the
+    pages the entries pin (renumbered), and the entries still restore exactly."""
+    model, tok, policy = lm
+    engine = Engine(model, tok, policy, 4, GenerateConfig(prefill_chunk=CHUNK), ignore_eos=True, attention=PAGED)
+    engine.prefix = PrefixCache(2**30, engine.runner.new_caches, compact_free=0)
+    prompts = [prompt(PAGE + 20, 10 + i) for i in range(4)]
+    engine.run([Request(p, 400, str(i)) for i, p in enumerate(prompts)])  # 2 pinned pages a row, 5 used
+    pool = engine.prefix.entries[(None, prompts[0])].pages[0][0]
+    assert not pool.free and sorted(pool.pins) == list(range(8)) and pool.pool[0].shape[0] == 8
+    assert pool.allocated == 8 * pool.page_bytes
+    (again,) = engine.run([Request(prompts[2] + (5,), 4, "again")])
+    assert engine.prefix.hits == 1 and again.token_ids == alone(lm, prompts[2] + (5,), 4)

@@ -133,3 +133,22 @@ class SharedPages:
                 if p not in held:
                     freed.append(p)
         self.free[:0] = freed
+
+    def compact(self, min_free: int) -> dict[int, int] | None:
+        """An idle pool (no row) whose free pages outnumber the pinned ones (and `min_free`) keeps only the
+        pinned pages, renumbered in their order: the memory a burst of rows grew it by goes back. Returns the
+        renumbering (old page -> new) for the entries, or None where it keeps everything."""
+        if self.tables or len(self.free) <= max(len(self.pins), min_free):
+            return None
+        keep = sorted(self.pins)
+        new = {p: i for i, p in enumerate(keep)}
+        idx = mx.array(keep, dtype=mx.int32)
+        self.pool = tuple(part[idx] if keep else part[:0] for part in self.pool)
+        mx.eval(self.pool)
+        self.free, self.refs = [], {}
+        self.pins = {new[p]: c for p, c in self.pins.items()}
+        self.pinned = {new[p]: n for p, n in self.pinned.items()}
+        self.index = {k: new[p] for k, p in self.index.items() if p in new}
+        self.page_keys = {new[p]: ks for p, ks in self.page_keys.items() if p in new}
+        self.version += 1
+        return new

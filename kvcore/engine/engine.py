@@ -208,6 +208,10 @@ class Engine:
         keep = self.scheduler.drop()
         self.decoder.filtered(self, keep)
         self.runner.filter(keep)
+        if not keep and self.prefix is not None:  # idle pools give back what no entry pins
+            moved = self.runner.compact(self.prefix.compact_free)
+            if moved:
+                self.prefix.renumber(moved)
         self.runner.mark_rows([len(s.context) for s in self.scheduler.running])
         return []
 

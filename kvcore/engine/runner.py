@@ -151,6 +151,14 @@ class Runner:
             for c in self.caches:
                 c.filter(idx)
 
+    def compact(self, min_free: int) -> dict[int, int] | None:
+        """Idle pools give back the pages no entry pins (PagedRows.compact): the renumbering, the same in
+        every layer (their tables were equal), or None where they keep everything."""
+        if not self.pooled or self.ids:
+            return None
+        moved = [c.paged.compact(min_free) for c in self.caches]
+        return moved[0]
+
     def mark_rows(self, lengths: list[int]) -> None:
         """The running rows' token counts (host-side): full-precision batch caches need no mask
         while every row holds as many tokens as the others."""

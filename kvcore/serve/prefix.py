@@ -12,7 +12,8 @@ restore(seq): on admission -> the entry of its adapter sharing the longest prefi
 Where rows page (compressed KV, full attention: the CPU and Metal default) an entry is the pages of
 the pools the running rows use, pinned (a row writing into a pinned token's page copies it first): the prompt
 is held once however many rows and entries share it, and storing copies nothing. Its bytes are its
-pages'. Elsewhere (full-precision KV, windows, CUDA's packed rows, recurrent state) entries are copies.
+pages'. When the batch empties, a pool whose free pages outnumber its pinned ones (and `compact_free`)
+keeps only the pinned pages (renumbered: `renumber`), so a burst of rows does not hold memory for good. Elsewhere (full-precision KV, windows, CUDA's packed rows, recurrent state) entries are copies.
 Entries are keyed by the row's LoRA adapter (Request.adapter, None for the base model) as well as
 its tokens: the KV of a prompt depends on the adapter it ran under, so one is never reused for another.
 A second chat turn starts with the first turn's prompt, so it prefills only the reply and the new
@@ -32,6 +33,7 @@ import mlx.core as mx
 from ..engine.reuse import common_prefix, reuse_prefix
 from .spill import PrefixDisk
 
+COMPACT_FREE = 64  # free pages (of 128 tokens) an idle pool may keep beyond its pinned ones before it shrinks
 MIN_REUSE = 4  # fewer shared tokens than this (a BOS, a template's header): prefill from scratch
 Key = tuple  # (adapter folder or None, prompt ids)
 
@@ -83,8 +85,10 @@ def fill(caches: list, entry: Entry) -> list:
 
 
 class PrefixCache:
-    def __init__(self, capacity: int, new_caches: Callable[[], list], disk: PrefixDisk | None = None):
+    def __init__(self, capacity: int, new_caches: Callable[[], list], disk: PrefixDisk | None = None,
+                 compact_free: int = COMPACT_FREE):
         self.capacity, self.new_caches, self.disk = capacity, new_caches, disk
+        self.compact_free = compact_free  # idle pools with more free pages than this (and than pinned) shrink
         self.entries: OrderedDict[Key, Entry] = OrderedDict()
         self.nbytes = 0
         self.hits = self.lookups = self.reused_tokens = self.disk_hits = 0
@@ -125,6 +129,12 @@ class PrefixCache:
             self.entries.move_to_end(key)
             return
         self._keep(key, pinned(pages) if pages is not None else snapshot(seq.caches))
+
+    def renumber(self, moved: dict[int, int]) -> None:
+        """The pools kept only the pinned pages, renumbered (Runner.compact): the entries follow."""
+        for entry in self.entries.values():
+            if entry.pages is not None:
+                entry.pages = [(pool, [moved[p] for p in ids], n) for pool, ids, n in entry.pages]
 
     def unpool(self) -> None:
         """The pools are about to go (a row that cannot page joins, and the batch leaves pages): every
