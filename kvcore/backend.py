@@ -50,6 +50,11 @@ def timed_check(what: str, key, check):
         CHECKS.append((what, key, round(time.perf_counter() - t0, 3)))
 
 
+def checks_since(seen: int) -> list:
+    """The checks run since CHECKS held `seen` of them, as [what, key text, seconds] (JSON-ready)."""
+    return [[what, str(key), s] for what, key, s in CHECKS[seen:]]
+
+
 class Verdicts(dict):
     """Device launches' admissions, each key checked once: None (admitted) or why not. A check that
     raises (a kernel that cannot build or run here) refuses, naming its error; the portable path serves."""

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from kvcore.backend import CHECKS
+from kvcore.backend import CHECKS, checks_since
 from kvcore.bench.grid import scheme_policy
 from kvcore.bench.shapes import build_random_model
 from kvcore.engine.forward import forward, prefill_chunk
@@ -70,7 +70,7 @@ def main() -> None:
             mx.reset_peak_memory()
             seen = len(CHECKS)
             t, decode_s = chunks(model, policy, tokens, a.chunk)
-            checks = [[what, str(key), s] for what, key, s in CHECKS[seen:]]  # kernel builds and checks of this pass
+            checks = checks_since(seen)  # kernel builds and checks of this pass
             print(json.dumps({"scheme": scheme, "pass": rep, "context": a.context, "seconds": round(sum(t), 3),
                               "tps": round(a.context / sum(t), 1), "decode_s": decode_s,
                               "peak_gb": round(mx.get_peak_memory() / 1e9, 2),

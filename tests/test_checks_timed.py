@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from kvcore.backend import CHECKS, Verdicts
+from kvcore.backend import CHECKS, Verdicts, checks_since
 
 
 def test_each_check_runs_once_and_is_timed_refusals_too():
@@ -25,3 +25,4 @@ def test_each_check_runs_once_and_is_timed_refusals_too():
     assert calls == [1]
     (w1, k1, s1), (w2, k2, s2) = CHECKS[seen:]
     assert (w1, k1, w2, k2) == ("probe", ("a", 1), "probe", ("b", 2)) and s1 >= 0.05 and 0 <= s2 < 0.05
+    assert checks_since(seen) == [["probe", "('a', 1)", s1], ["probe", "('b', 2)", s2]]  # as the scripts report them

@@ -47,7 +47,7 @@ def mma_fits(key, value, rep: int, n_queries: int, q_dtype: str) -> bool:
     """Whether the tensor-core body covers these sides (cuda_launch.Side) and queries."""
     if variant() == 0 or q_dtype not in ("bfloat16", "float16"):
         return False
-    if "turbo" in (key.kind, value.kind):  # form 1 only, opt-in (cuda_turbo_mma.py)
+    if "turbo" in (key.kind, value.kind):  # form 1 only (cuda_turbo_mma.py; MLXKV_CUDA_TURBO_MMA=0: the scalar body)
         from . import cuda_turbo_mma
 
         return variant() == 1 and cuda_turbo_mma.enabled() and rep * n_queries <= 8 and cuda_turbo_mma.turbo_fits(key, value)

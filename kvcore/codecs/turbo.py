@@ -86,7 +86,7 @@ class TurboCodec:
         self.table = chunk_table(c, self.bits)  # centroids of every chunk of packed indices
 
     def encode(self, x: mx.array) -> Encoded:
-        """One CUDA launch where it serves (`turbo_cuda_encode`, opt-in: the same up to float rounding)."""
+        """One CUDA launch where it serves (`turbo_cuda_encode`, the CUDA default: the same up to float rounding)."""
         out = turbo_cuda_encode.encode(self, x)
         return self.portable_encode(x) if out is None else out
 

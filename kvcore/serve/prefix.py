@@ -145,10 +145,7 @@ class PrefixCache:
                 entry.release()
                 self.nbytes += copy.nbytes - entry.nbytes
                 self.entries[key] = copy
-        while self.nbytes > self.capacity and self.entries:
-            old_key, old = self.entries.popitem(last=False)
-            self.nbytes -= old.nbytes
-            self._spill(old_key, old)
+        self._shrink()
 
     def flush(self) -> None:
         """Every entry RAM holds into the disk tier (on a clean stop), newest last."""
@@ -163,7 +160,11 @@ class PrefixCache:
             return
         self.entries[key] = entry
         self.nbytes += entry.nbytes
-        while self.nbytes > self.capacity:
+        self._shrink()
+
+    def _shrink(self) -> None:
+        """The oldest entries out of RAM (to the disk tier, if any) until the rest fit the bound."""
+        while self.nbytes > self.capacity and self.entries:
             old_key, old = self.entries.popitem(last=False)
             self.nbytes -= old.nbytes
             self._spill(old_key, old)
