@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import time
+from contextlib import contextmanager
 from functools import lru_cache
 
 import mlx.core as mx
@@ -36,6 +38,20 @@ def failure(e: Exception) -> str:
     """An exception as one line of a verdict: its type and the first 200 characters of its message."""
     line = first_line(e, empty="")
     return f"{type(e).__name__}: {line}" if line else type(e).__name__
+
+
+@contextmanager
+def cpu_reference():
+    """The CPU stream with compilation off, for a device check's one-off reference: it builds no kernels (run 13's
+    first turbo prompt spent 34 of its 55 s building the portable encode's fused CUDA kernel for its check) and
+    needs no C++ compiler (MLX compiles CPU graphs with g++)."""
+    mx.disable_compile()
+    try:
+        with mx.stream(mx.cpu):
+            yield
+    finally:
+        if not os.environ.get("MLX_DISABLE_COMPILE"):
+            mx.enable_compile()
 
 
 CHECKS: list = []  # (what, key, seconds): every admission check this process ran (builds included), in order

@@ -319,9 +319,10 @@ def main() -> None:
                 checks = checks_since(seen)  # its kernels' builds and checks
                 first[scheme] = {"tokens": min(WARM_PROMPT, ctx), "seconds": round(w["ttft_s"], 3) if "ttft_s" in w
                                  else w.get("error"), "checks_s": round(sum(c[2] for c in checks), 3), "checks": checks}
+            seen = len(CHECKS)
             r = guarded(prefill_case, model, cfg, scheme, ctx)
             case("mlx-lm" if scheme is None else "mlxkv", scheme or "bf16", ctx, 1, [r],
-                 {"kind": "prefill", "first_prompt": first[scheme]})
+                 {"kind": "prefill", "first_prompt": first[scheme], "checks": checks_since(seen)})  # none once warm
             if scheme and "ttft_s" in r and r["ttft_s"] > 60:
                 break  # the old blockwise prefill: longer contexts would not fit the run
     meta["baseline"] = baseline_band(ROWS)

@@ -30,7 +30,7 @@ import os
 import mlx.core as mx
 import numpy as np
 
-from ..backend import Verdicts, backend_name
+from ..backend import Verdicts, backend_name, cpu_reference
 from .turbo_cuda import DTYPES  # the input dtypes, as the decode launch's outputs
 
 SOURCE = r"""
@@ -185,14 +185,16 @@ def compare(got: tuple, want: tuple, bits: int, dim: int) -> str | None:
 
 
 def check(codec, dtype) -> str | None:
-    """The launch against the portable encode on random head vectors (scaled, outlying, zero and constant ones,
-    read through the strides of a transposed and sliced buffer, as a model's keys are)."""
+    """The launch against the portable encode (on the CPU) on random head vectors (scaled, outlying, zero and
+    constant ones, read through the strides of a transposed and sliced buffer, as a model's keys are)."""
     d = codec.head_dim
     key = mx.random.key(codec.bits * 1000 + d)
     r = mx.random.normal((2, 41, 3, d), key=key) * mx.array([1.0, 0.01, 30.0])[None, None, :, None]
     r = mx.concatenate([r, mx.zeros_like(r[:, :1]), mx.full(r[:, :1].shape, 0.75)], axis=1)
     x = r.transpose(0, 2, 1, 3)[:, :, 2:].astype(dtype)  # (2, 3, 41, d) through strides
     got = launch(x, codec)
-    want = codec.portable_encode(x)
-    mx.eval(got, want)
+    mx.eval(x, got)
+    with cpu_reference():
+        want = codec.portable_encode(x)
+        mx.eval(want)
     return compare(got, want, codec.bits, d)
