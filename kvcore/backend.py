@@ -79,10 +79,11 @@ class Verdicts(dict):
         super().__init__()
         self.what = what  # names its checks in CHECKS
 
-    def admitted(self, key, check) -> bool:
+    def admitted(self, key, check, label=None) -> bool:
+        """`label`: the check's name in CHECKS where the key's own text would not read (default: the key)."""
         if key not in self:
             try:
-                self[key] = timed_check(self.what, key, check)
+                self[key] = timed_check(self.what, key if label is None else label, check)
             except Exception as e:  # noqa: BLE001 - a refusal, not a crash
                 self[key] = failure(e)
         return self[key] is None

@@ -301,8 +301,8 @@ def main() -> None:
                 else:
                     runs[i].append(guarded(mlxkv_decode, model, cfg, scheme, ctx, rows, a.gen, kernel))
                 mx.clear_cache()
+        base = next((j for j, e in enumerate(engines) if e[:2] == ("mlx-lm", "bf16")), None)
         for i, (eng, scheme, kernel) in enumerate(engines):
-            base = next((j for j, e in enumerate(engines) if e[:2] == ("mlx-lm", "bf16")), None)
             extra = {"kernel": kernel} if eng == "mlxkv" else {}
             if eng == "mlxkv" and base is not None:
                 extra["x_mlx_lm"] = paired(runs[i], runs[base])

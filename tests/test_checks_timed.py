@@ -26,3 +26,4 @@ def test_each_check_runs_once_and_is_timed_refusals_too():
     (w1, k1, s1), (w2, k2, s2) = CHECKS[seen:]
     assert (w1, k1, w2, k2) == ("probe", ("a", 1), "probe", ("b", 2)) and s1 >= 0.05 and 0 <= s2 < 0.05
     assert checks_since(seen) == [["probe", "('a', 1)", s1], ["probe", "('b', 2)", s2]]  # as the scripts report them
+    assert v.admitted(("c", 3), lambda: None, "c three") and CHECKS[-1][:2] == ("probe", "c three")  # a label names it

@@ -22,7 +22,7 @@ from functools import cache
 
 import mlx.core as mx
 
-from ..backend import backend_name, failure, timed_check
+from ..backend import Verdicts, backend_name
 from ..cache.packed import per_step
 from ..cache.view import DENSE, ENCODED, Joint
 from ..codecs import CodecSpec
@@ -51,7 +51,7 @@ from .cuda_launch import (
 )
 from .cuda_mma import mma_fits, variant
 
-_VERDICTS: dict = {}  # (plan, q dtype name) -> None (admitted) or the reason it is not
+_VERDICTS = Verdicts("decode")  # (plan, q dtype name) -> None (admitted) or the reason it is not
 
 
 _ROWS: dict = {}
@@ -352,18 +352,14 @@ def paged_attention(q: mx.array, view, scale: float, sinks=None) -> mx.array | N
 # -- admission: each plan checked once on the device ---------------------------------------------
 def admitted(plan: Plan, q_dtype) -> bool:
     key = (plan, dtype_name(q_dtype))
-    if _VERDICTS.get(key, 0) is None:
-        return True
     if key not in _VERDICTS:
         why = plan.why_not()
-        if why is None:
+        if why is not None:
+            _VERDICTS[key] = why  # refused without a device check
+        else:
             from .cuda_check import check_plan
 
-            try:
-                why = timed_check("decode", describe(plan, dtype_name(q_dtype)), lambda: check_plan(plan, q_dtype))
-            except Exception as e:  # noqa: BLE001 - a kernel that cannot build or run here: the portable path serves
-                why = failure(e)
-        _VERDICTS[key] = why
+            _VERDICTS.admitted(key, lambda: check_plan(plan, q_dtype), describe(*key))
     return _VERDICTS[key] is None
 
 

@@ -38,7 +38,7 @@ BLOCKS = 3  # blocks per SM this form is built for (168 registers a thread) unle
 
 
 def level() -> int:
-    """MLXKV_CUDA_PREFETCH: 0 (default) off, 1 keys a tile ahead, 2 keys and values, 3 values with the keys."""
+    """MLXKV_CUDA_PREFETCH: 0 (default) off, 1 keys a tile ahead, 2 keys and values, 3 the next tile asked of L2."""
     v = os.environ.get("MLXKV_CUDA_PREFETCH", "0")
     return int(v) if v in ("1", "2", "3") else 0
 
