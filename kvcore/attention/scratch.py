@@ -35,9 +35,12 @@ DECODE_QUERIES = 8  # queries of a decode or verify step
 def workspace_factor(codec, dtype: mx.Dtype) -> float:
     """Working bytes of `codec`'s decode to `dtype`, per output byte, beyond the output itself
     (tests/test_prefill_memory.py measures them on CPU). CPU: MLX's dequantize works in float32
-    (4x a bfloat16 output); the GPUs' is one kernel into its output. Turbo widens packed words
-    and looks centroids up in float32 before the cast, on every backend. Token-layout affine
-    adds the transposed copy of its output."""
+    (4x a bfloat16 output); the GPUs' is one kernel into its output. Turbo's portable decode widens
+    packed words and looks centroids up in float32 before the cast; on CUDA its one-launch decode
+    (`turbo_cuda`, where its device check passed) writes its output alone, as affine's does. (Run 13
+    planned turbo's 128k prefill with the portable factor: 512 MiB of scratch at 5.1x did not fit
+    the 1.58 GB budget, so every layer went to the blockwise loop: 0.53x mlx-lm.) Token-layout
+    affine adds the transposed copy of its output."""
     if codec is None:
         return 0.0
     name, half = type(codec).__name__, dtype.size < 4
@@ -45,6 +48,10 @@ def workspace_factor(codec, dtype: mx.Dtype) -> float:
         base = (4.1 if half else 1.1) if backend_name() == "cpu" else 0.1
         return base + (1.0 if codec.layout == "token" else 0.0)
     if name == "TurboCodec":
+        from ..codecs import turbo_cuda
+
+        if turbo_cuda.serves(codec, dtype):
+            return 0.1
         return 5.1 if half else 1.6
     return UNKNOWN_WORKSPACE
 

@@ -70,6 +70,12 @@ def launch(packed: mx.array, scale: mx.array, centroids: mx.array, bits: int, di
         output_shapes=[(B, H, T, dim)], output_dtypes=[dtype])[0]
 
 
+def serves(codec, dtype) -> bool:
+    """Whether the launch decodes `codec`'s codes to `dtype` here (CUDA, a covered head dim and dtype, and this
+    setting's device check passed): then a decode holds its output alone, no float32 working arrays."""
+    return backend_name() == "cuda" and codec.head_dim % 8 == 0 and dtype in DTYPES and admitted(codec, dtype)
+
+
 def rotated(codec, enc, dtype) -> mx.array | None:
     """`codec`'s codes in the rotated basis as `dtype` through the launch; None where it does not serve."""
     if backend_name() != "cuda" or codec.head_dim % 8 or dtype not in DTYPES:
@@ -77,7 +83,7 @@ def rotated(codec, enc, dtype) -> mx.array | None:
     packed, scale = enc
     if packed.ndim != 4 or packed.dtype != mx.uint8 or packed.shape[-1] != codec.head_dim * codec.bits // 8:
         return None
-    if not admitted(codec, dtype):
+    if not serves(codec, dtype):
         return None
     return launch(packed, scale, codec.centroids, codec.bits, codec.head_dim, dtype)
 
