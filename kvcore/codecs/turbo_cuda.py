@@ -78,8 +78,6 @@ def serves(codec, dtype) -> bool:
 
 def rotated(codec, enc, dtype) -> mx.array | None:
     """`codec`'s codes in the rotated basis as `dtype` through the launch; None where it does not serve."""
-    if backend_name() != "cuda" or codec.head_dim % 8 or dtype not in DTYPES:
-        return None
     packed, scale = enc
     if packed.ndim != 4 or packed.dtype != mx.uint8 or packed.shape[-1] != codec.head_dim * codec.bits // 8:
         return None
