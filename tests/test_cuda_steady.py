@@ -35,12 +35,16 @@ class _EmulatedDecode:
         self.calls = 0
 
     def __call__(self, *, inputs, grid, threadgroup, output_shapes, output_dtypes, **_):
-        q, kw, ks, kb, vw, vs, vb, kbook, vbook, rows, ints, scale, _ctr, _base, sinks, table = inputs
-        chunk, nsplit, v_head, width = np.array(ints).tolist()
+        q, kw, ks, kb, vw, vs, vb, kbook, vbook, rows, ints, scale, _ctr, base, sinks, table = inputs
+        # the constants a launch reads are never pool scalars (cuda_kernels.PAGE_WORDS): a page fault a launch
+        assert ints.nbytes == scale.nbytes == 4 * cuda_kernels.PAGE_WORDS and base.nbytes > 8
+        taken = (cuda_kernels._RING["next"] - 1) % cuda_kernels.RING_SLOTS if self.fused else 0
+        assert base[0].item() == taken * cuda_kernels.SLOT  # the view reads the slot the launch took
+        chunk, nsplit, v_head, width = np.array(ints[:4]).tolist()
         assert (width > 0) == self.plan.paged and (not width or tuple(table.shape) == (q.shape[0], width))
         launch = Launch(self.plan.key, self.plan.value, (kw, ks, kb), (vw, vs, vb), kbook, vbook, rows, 0, v_head,
                         table if width else None)
-        parts = emulate_partials(q, launch, self.plan, float(scale.item()), grid[1], split=(chunk, nsplit))
+        parts = emulate_partials(q, launch, self.plan, float(scale[0].item()), grid[1], split=(chunk, nsplit))
         out = [mx.array(p) for p in parts]
         assert [tuple(a.shape) for a in out] == [tuple(s) for s in output_shapes[:3]]
         if self.fused:

@@ -50,8 +50,28 @@ def dummy(dtype=mx.float16) -> mx.array:
     return _const(("dummy", dtype), lambda: mx.zeros((1,), dtype=dtype))
 
 
+# MLX's CUDA allocator serves every array of 8 bytes or less from one managed pool, which the host writes
+# whenever Python makes a scalar (many times a step); a kernel that reads one of them takes a page fault.
+# That was most of form 1's fixed ~33 us a launch (run 14, ncu source counters at 4k: 44% of the stall
+# samples on the first use of the 4-byte `fscale`). So the constants a launch reads (dims, scale, the
+# counters' slot) are arrays of pages of their own, written once by the host and never again.
+PAGE_WORDS = 16384  # 64 KiB of 4-byte words: whole pages for the host (16 KiB) and the GPU (64 KiB)
+
+
+def _paged(values: tuple, dtype) -> mx.array:
+    """`values` at the front of a PAGE_WORDS array (the kernel reads only those)."""
+    return mx.array(list(values) + [0] * (PAGE_WORDS - len(values)), dtype=dtype)
+
+
 def _ints(*xs: int) -> mx.array:
-    return _const(("ints", xs), lambda: mx.array(xs, dtype=mx.int32))
+    return _const(("ints", xs), lambda: _paged(xs, mx.int32))
+
+
+def _slot(i: int) -> mx.array:
+    """The counters' base of ring slot `i` as the kernel reads it (slot[0]): a view into one paged table
+    of every slot's base, 4 words long so that a copy of it would still be no pool scalar."""
+    table = _const(("slots",), lambda: _paged(tuple(j * SLOT for j in range(RING_SLOTS + 4)), mx.int32))
+    return _const(("slot", i), lambda: table[i:i + 4])
 
 
 def _source_constants(consts) -> str:
@@ -148,9 +168,10 @@ def _counters() -> mx.array:
 
 
 def _next_slot() -> int:
+    """The ring slot a fused launch takes (`_slot` makes its base)."""
     i = _RING["next"]
     _RING["next"] = (i + 1) % RING_SLOTS
-    return i * SLOT
+    return i
 
 
 @cache
@@ -166,7 +187,7 @@ def _sinks(sinks: mx.array | None) -> mx.array:
 
 
 def _scale(scale: float) -> mx.array:
-    return _const(("scale", scale), lambda: mx.array([scale], dtype=mx.float32))
+    return _const(("scale", scale), lambda: _paged((scale,), mx.float32))
 
 
 def partials(q: mx.array, launch: Launch, plan: Plan, scale: float, heads: int, split: tuple[int, int] | None = None,
@@ -179,12 +200,12 @@ def partials(q: mx.array, launch: Launch, plan: Plan, scale: float, heads: int, 
         chunk, nsplit, grid, shapes = _geometry(plan, B, heads, -(-launch.columns // plan.tile))
     else:
         (chunk, nsplit), grid, shapes = split, plan.grid(split[1], heads, B), plan.partial_shapes(B, heads, split[1])
-    base = _next_slot() if fused else 0
+    slot = _next_slot() if fused else 0
     sk = _sinks(sinks)
     return (kernel or _kernel(plan, fused, sinks is not None, q.dtype))(
         inputs=[q, *launch.k_arrays, *launch.v_arrays, launch.k_book, launch.v_book, launch.rows,
                 _ints(chunk, nsplit, launch.v_head, table_width(launch)), _scale(scale),
-                _counters() if fused else dummy(mx.int32), _ints(base), sk,
+                _counters() if fused else dummy(mx.int32), _slot(slot), sk,
                 dummy(mx.int32) if launch.table is None else launch.table],
         grid=grid, threadgroup=(THREADS, 1, 1),
         output_shapes=[*shapes, (B, Hq, N, plan.value.dim) if fused else (1,)],
@@ -239,7 +260,7 @@ def arrays_launch(q: mx.array, recipe: tuple, k_arrays: tuple, v_arrays: tuple, 
         launch = Launch(ks, vs, k_arrays, v_arrays, kb, vb, rows, columns, v_head, table)
         return merge(q, [partials(q, launch, plan, scale, heads)], plan.rep, plan.value.dim, sinks)
     return kernel(inputs=[q, *k_arrays, *v_arrays, kb, vb, rows, ints, _scale(scale), _counters(),
-                          _ints(_next_slot()), _sinks(sinks), dummy(mx.int32) if table is None else table],
+                          _slot(_next_slot()), _sinks(sinks), dummy(mx.int32) if table is None else table],
                   grid=grid, threadgroup=(THREADS, 1, 1), output_shapes=shapes, output_dtypes=_FUSED_DTYPES[q.dtype])[3]
 
 
