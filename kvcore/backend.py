@@ -87,3 +87,23 @@ class Verdicts(dict):
             except Exception as e:  # noqa: BLE001 - a refusal, not a crash
                 self[key] = failure(e)
         return self[key] is None
+
+
+# MLX's CUDA allocator serves arrays of 8 bytes or less from one managed pool that the host writes into
+# whenever Python makes a scalar (many times a step), so a kernel reading one takes a page fault (run 14:
+# most of the decode kernel's fixed ~33 us a launch). Long-lived small inputs of the kernels (a 1-bit
+# codebook, its one boundary) are handed over as padded copies made once.
+POOL_BYTES = 8
+_UNPOOLED: dict[int, tuple[mx.array, mx.array]] = {}
+
+
+def unpooled(a: mx.array) -> mx.array:
+    """`a` if it is bigger than the pool's blocks, else a copy padded with zeros to 16 bytes (kernels read
+    only its front), made once per array (`a` is kept alive beside it, so its id is not reused)."""
+    if a.nbytes > POOL_BYTES:
+        return a
+    hit = _UNPOOLED.get(id(a))
+    if hit is None or hit[0] is not a:
+        pad = mx.zeros((16 // a.itemsize,), dtype=a.dtype)
+        hit = _UNPOOLED[id(a)] = (a, mx.concatenate([a.reshape(-1), pad]))
+    return hit[1]

@@ -22,7 +22,7 @@ from functools import cache
 
 import mlx.core as mx
 
-from ..backend import Verdicts, backend_name
+from ..backend import Verdicts, backend_name, unpooled
 from ..cache.packed import per_step
 from ..cache.view import DENSE, ENCODED, Joint
 from ..codecs import CodecSpec
@@ -75,7 +75,7 @@ def _codec_side(codec, dim: int, rotated: bool) -> tuple[Side, mx.array] | None:
     side = _side_for(type(codec), codec.bits, getattr(codec, "group", 0), getattr(codec, "layout", ""), dim, rotated)
     if side is None:
         return None
-    return side, (codec.centroids if side.kind == "turbo" else dummy(mx.float32))
+    return side, (unpooled(codec.centroids) if side.kind == "turbo" else dummy(mx.float32))
 
 
 @cache

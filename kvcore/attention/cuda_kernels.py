@@ -50,11 +50,9 @@ def dummy(dtype=mx.float16) -> mx.array:
     return _const(("dummy", dtype), lambda: mx.zeros((1,), dtype=dtype))
 
 
-# MLX's CUDA allocator serves every array of 8 bytes or less from one managed pool, which the host writes
-# whenever Python makes a scalar (many times a step); a kernel that reads one of them takes a page fault.
-# That was most of form 1's fixed ~33 us a launch (run 14, ncu source counters at 4k: 44% of the stall
-# samples on the first use of the 4-byte `fscale`). So the constants a launch reads (dims, scale, the
-# counters' slot) are arrays of pages of their own, written once by the host and never again.
+# The constants a launch reads (dims, scale, the counters' slot) are never MLX's pool scalars (backend.unpooled
+# says why: run 14's ncu had 44% of a 4k launch's stall samples on the first read of the 4-byte `fscale`), but
+# arrays of pages of their own, written once by the host and never again.
 PAGE_WORDS = 16384  # 64 KiB of 4-byte words: whole pages for the host (16 KiB) and the GPU (64 KiB)
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..backend import Verdicts, backend_name, cpu_reference
+from ..backend import Verdicts, backend_name, cpu_reference, unpooled
 
 SOURCE = r"""
   constexpr int GROUPS = D / 8;
@@ -66,7 +66,7 @@ def launch(packed: mx.array, scale: mx.array, centroids: mx.array, bits: int, di
     total = B * H * T * (dim // 8)
     threads = -(-max(total, 1) // 32) * 32
     return _kernel(bits, dim, dtype)(
-        inputs=[packed, scale, centroids], grid=(threads, 1, 1), threadgroup=(min(THREADS, threads), 1, 1),
+        inputs=[packed, scale, unpooled(centroids)], grid=(threads, 1, 1), threadgroup=(min(THREADS, threads), 1, 1),
         output_shapes=[(B, H, T, dim)], output_dtypes=[dtype])[0]
 
 

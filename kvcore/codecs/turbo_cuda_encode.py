@@ -30,7 +30,7 @@ import os
 import mlx.core as mx
 import numpy as np
 
-from ..backend import Verdicts, backend_name, cpu_reference
+from ..backend import Verdicts, backend_name, cpu_reference, unpooled
 from .turbo_cuda import DTYPES  # the input dtypes, as the decode launch's outputs
 
 SOURCE = r"""
@@ -135,7 +135,7 @@ def launch(x: mx.array, codec) -> tuple[mx.array, mx.array]:
     vecs = B * H * T
     blocks = -(-max(vecs, 1) // WARPS)
     packed, scale = _kernel(codec.bits, D)(
-        inputs=[x, codec.rotation.signs, _boundaries(codec.bits), codec.centroids],
+        inputs=[x, codec.rotation.signs, unpooled(_boundaries(codec.bits)), unpooled(codec.centroids)],
         grid=(blocks * 32 * WARPS, 1, 1), threadgroup=(32 * WARPS, 1, 1),
         output_shapes=[(B, H, T, D * codec.bits // 8), (B, H, T, 1)], output_dtypes=[mx.uint8, mx.float16])
     return packed, scale
