@@ -27,4 +27,5 @@ for ctx in ${CONTEXTS:-32768 131072}; do
   echo "ctx $ctx: $(wc -l < "$OUT/sections-$ctx-details.csv") detail lines, $(wc -l < "$OUT/sections-$ctx-sass.csv") sass lines"
   grep -E '"(Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Issue Slots Busy|L1/TEX Hit Rate|L2 Hit Rate|Mem Busy|Max Bandwidth|Eligible Warps Per Scheduler|Warp Cycles Per Issued Instruction)"' \
     "$OUT/sections-$ctx-details.csv" | cut -d, -f13-16 | head -20
+  python3 scripts/ncu_stalls.py "$OUT/sections-$ctx-sass.csv" --top 6 2>&1 | cut -c1-200
 done
