@@ -52,8 +52,10 @@ def dummy(dtype=mx.float16) -> mx.array:
 
 # The constants a launch reads (dims, scale, the counters' slot) are never MLX's pool scalars (backend.unpooled
 # says why: run 14's ncu had 44% of a 4k launch's stall samples on the first read of the 4-byte `fscale`), but
-# arrays of pages of their own, written once by the host and never again.
-PAGE_WORDS = 16384  # 64 KiB of 4-byte words: whole pages for the host (16 KiB) and the GPU (64 KiB)
+# arrays of pages of their own, written once by the host and never again. A page (4 KiB, the unit managed
+# memory is resident in on x86) a distinct dims tuple: a 128k decode meets ~300 of them (1 MB), where run 15
+# measured the fix with 64 KiB arrays (19 MB); run 16 times the 4 KiB form at 4k (gpu_session_kernel.sh).
+PAGE_WORDS = 1024
 
 
 def _paged(values: tuple, dtype) -> mx.array:
