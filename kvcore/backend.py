@@ -91,19 +91,25 @@ class Verdicts(dict):
 
 # MLX's CUDA allocator serves arrays of 8 bytes or less from one managed pool that the host writes into
 # whenever Python makes a scalar (many times a step), so a kernel reading one takes a page fault (run 14:
-# most of the decode kernel's fixed ~33 us a launch). Long-lived small inputs of the kernels (a 1-bit
-# codebook, its one boundary) are handed over as padded copies made once.
+# most of the decode kernel's fixed ~33 us a launch). The small inputs the kernels read (the decode launch's
+# dims, scale and slot; a 1-bit codebook, its one boundary) are therefore whole pages of their own, made once.
 POOL_BYTES = 8
+PAGE_BYTES = 4096  # the unit managed memory is resident in on x86; run 15 measured the fix with 64 KiB arrays
 _UNPOOLED: dict[int, tuple[mx.array, mx.array]] = {}
 
 
+def paged(values: tuple, dtype) -> mx.array:
+    """`values` at the front of a page-sized array (kernels read only those)."""
+    return mx.array(list(values) + [0] * (PAGE_BYTES // dtype.size - len(values)), dtype=dtype)
+
+
 def unpooled(a: mx.array) -> mx.array:
-    """`a` if it is bigger than the pool's blocks, else a copy padded with zeros to 16 bytes (kernels read
-    only its front), made once per array (`a` is kept alive beside it, so its id is not reused)."""
+    """`a` if it is bigger than the pool's blocks, else a copy padded with zeros to a page, made once per
+    array (`a` is kept alive beside it, so its id is not reused)."""
     if a.nbytes > POOL_BYTES:
         return a
     hit = _UNPOOLED.get(id(a))
-    if hit is None or hit[0] is not a:
-        pad = mx.zeros((16 // a.itemsize,), dtype=a.dtype)
+    if hit is None:
+        pad = mx.zeros((PAGE_BYTES // a.itemsize - a.size,), dtype=a.dtype)
         hit = _UNPOOLED[id(a)] = (a, mx.concatenate([a.reshape(-1), pad]))
     return hit[1]

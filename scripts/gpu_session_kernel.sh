@@ -7,7 +7,7 @@
 #    of more splits (MLXKV_CUDA_TARGET_BLOCKS=1056: two blocks' worth of rows in flight per SM slot) and the
 #    staged body (MLXKV_CUDA_MMA=2: a ring of cp.async tiles per warp) against the default;
 # 2. turbo's body: its device time at 32k and 128k and its sections at 32k.
-# 0. first, form 1 at 4k: the launch constants are now 4 KiB pages (cuda_kernels.PAGE_WORDS), run 15 measured
+# 0. first, form 1 at 4k: the launch constants are now 4 KiB pages (backend.PAGE_BYTES), run 15 measured
 #    64 KiB ones (16.8 us); a return towards run 13's 35 us means the page is shared and faults again.
 set -uo pipefail
 cd "$(dirname "$0")/.."

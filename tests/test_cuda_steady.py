@@ -15,7 +15,7 @@ from kvcore.attention.config import AttentionConfig
 from kvcore.attention.cuda_kernels import Launch
 from kvcore.attention.hook import _sdpa
 from kvcore.attention.rotated import in_rotated_basis
-from kvcore.backend import backend_name
+from kvcore.backend import PAGE_BYTES, POOL_BYTES, backend_name
 from kvcore.cache import BatchCompressedKVCache, CompressedKVCache
 from kvcore.codecs import CodecSpec
 from tests.cuda_emulation import emulate_merge, emulate_partials
@@ -36,8 +36,8 @@ class _EmulatedDecode:
 
     def __call__(self, *, inputs, grid, threadgroup, output_shapes, output_dtypes, **_):
         q, kw, ks, kb, vw, vs, vb, kbook, vbook, rows, ints, scale, _ctr, base, sinks, table = inputs
-        # the constants a launch reads are never pool scalars (cuda_kernels.PAGE_WORDS): a page fault a launch
-        assert ints.nbytes == scale.nbytes == 4 * cuda_kernels.PAGE_WORDS and base.nbytes > 8
+        # the constants a launch reads are never pool scalars (backend.paged): a page fault a launch
+        assert ints.nbytes == scale.nbytes == PAGE_BYTES and base.nbytes > POOL_BYTES
         taken = (cuda_kernels._RING["next"] - 1) % cuda_kernels.RING_SLOTS if self.fused else 0
         assert base[0].item() == taken * cuda_kernels.SLOT  # the view reads the slot the launch took
         chunk, nsplit, v_head, width = np.array(ints[:4]).tolist()

@@ -10,6 +10,7 @@ from functools import cache
 
 import mlx.core as mx
 
+from ..backend import paged
 from . import cuda_chunk_mma, cuda_form3, cuda_mma, cuda_prefetch, cuda_stage, cuda_turbo_mma
 from . import cuda_source as src
 from .cuda_launch import THREADS, Plan, Side
@@ -50,27 +51,18 @@ def dummy(dtype=mx.float16) -> mx.array:
     return _const(("dummy", dtype), lambda: mx.zeros((1,), dtype=dtype))
 
 
-# The constants a launch reads (dims, scale, the counters' slot) are never MLX's pool scalars (backend.unpooled
+# The constants a launch reads (dims, scale, the counters' slot) are never MLX's pool scalars (backend.paged
 # says why: run 14's ncu had 44% of a 4k launch's stall samples on the first read of the 4-byte `fscale`), but
-# arrays of pages of their own, written once by the host and never again. A page (4 KiB, the unit managed
-# memory is resident in on x86) a distinct dims tuple: a 128k decode meets ~300 of them (1 MB), where run 15
-# measured the fix with 64 KiB arrays (19 MB); run 16 times the 4 KiB form at 4k (gpu_session_kernel.sh).
-PAGE_WORDS = 1024
-
-
-def _paged(values: tuple, dtype) -> mx.array:
-    """`values` at the front of a PAGE_WORDS array (the kernel reads only those)."""
-    return mx.array(list(values) + [0] * (PAGE_WORDS - len(values)), dtype=dtype)
-
-
+# pages of their own, written once by the host and never again: one a distinct dims tuple, ~300 in a 128k decode
+# (1 MB; run 15 measured the fix with 64 KiB arrays, run 16 times the 4 KiB pages at 4k: gpu_session_kernel.sh).
 def _ints(*xs: int) -> mx.array:
-    return _const(("ints", xs), lambda: _paged(xs, mx.int32))
+    return _const(("ints", xs), lambda: paged(xs, mx.int32))
 
 
 def _slot(i: int) -> mx.array:
     """The counters' base of ring slot `i` as the kernel reads it (slot[0]): a view into one paged table
     of every slot's base, 4 words long so that a copy of it would still be no pool scalar."""
-    table = _const(("slots",), lambda: _paged(tuple(j * SLOT for j in range(RING_SLOTS + 4)), mx.int32))
+    table = _const(("slots",), lambda: paged(tuple(j * SLOT for j in range(RING_SLOTS + 4)), mx.int32))
     return _const(("slot", i), lambda: table[i:i + 4])
 
 
@@ -187,7 +179,7 @@ def _sinks(sinks: mx.array | None) -> mx.array:
 
 
 def _scale(scale: float) -> mx.array:
-    return _const(("scale", scale), lambda: _paged((scale,), mx.float32))
+    return _const(("scale", scale), lambda: paged((scale,), mx.float32))
 
 
 def partials(q: mx.array, launch: Launch, plan: Plan, scale: float, heads: int, split: tuple[int, int] | None = None,

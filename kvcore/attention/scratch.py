@@ -37,9 +37,9 @@ def workspace_factor(codec, dtype: mx.Dtype) -> float:
     (tests/test_prefill_memory.py measures them on CPU). CPU: MLX's dequantize works in float32
     (4x a bfloat16 output); the GPUs' is one kernel into its output. Turbo's portable decode widens
     packed words and looks centroids up in float32 before the cast; on CUDA its one-launch decode
-    (`turbo_cuda`, where its device check passed) writes its output alone, as affine's does. (Run 13
-    planned turbo's 128k prefill with the portable factor: 512 MiB of scratch at 5.1x did not fit
-    the 1.58 GB budget, so every layer went to the blockwise loop: 0.53x mlx-lm.) Token-layout
+    (`turbo_cuda`, where its device check passed) writes its output alone, as affine's does. (Planned with
+    the portable factor, turbo's 128k llama-8b prefill does not fit a ~1.6 GB attention budget, a 24 GB
+    card's, and every layer goes to the blockwise loop; an H200's 17 GB holds either.) Token-layout
     affine adds the transposed copy of its output."""
     if codec is None:
         return 0.0
