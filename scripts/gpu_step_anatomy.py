@@ -9,7 +9,7 @@ on its caches (no engine) and each step is timed three ways:
   sync_ms    wall per step when every step is built, evaluated and read before the next
 If build + encode is close to step_ms, the step is host-bound and fewer host ops is the fix; if
 step_ms is well above it, the device is. Kinds: mlx-lm (KVCache), full (mlxkv's caches),
-affine4 (portable attention), affine4-kernel (the CUDA decode kernel, forced).
+affine4 (portable attention), affine4-kernel (the CUDA decode kernel, forced), turbo / turbo-kernel (turbo:k4v3).
 
 Also (`--micro`): host microseconds per custom-kernel call and per plain op, to price a launch.
 
@@ -43,9 +43,13 @@ OUT = Path(os.environ.get("OUT", "gpu-out"))
 def caches_for(model, kind: str):
     if kind == "mlx-lm":
         return make_prompt_cache(model)
-    scheme = "full" if kind == "full" else "affine:4"
     att = AttentionConfig(cuda_kernel=kind.endswith("kernel"), cuda_min_tokens=0)
-    return build_caches(model, scheme_policy(scheme), att)[0]
+    return build_caches(model, scheme_policy(scheme_of(kind)), att)[0]
+
+
+def scheme_of(kind: str) -> str:
+    """The KV scheme a kind names: full, turbo:k4v3 (turbo, turbo-kernel) or affine:4 (affine4, affine4-kernel)."""
+    return "full" if kind == "full" else "turbo:k4v3" if kind.startswith("turbo") else "affine:4"
 
 
 def anatomy(model, cfg, kind: str, ctx: int, steps: int, profile: bool = False) -> dict:

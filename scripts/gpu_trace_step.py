@@ -29,7 +29,7 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_bench import fill
-from gpu_step_anatomy import caches_for
+from gpu_step_anatomy import caches_for, scheme_of
 
 from kvcore.attention.config import AttentionConfig
 from kvcore.bench.grid import scheme_policy
@@ -89,7 +89,7 @@ def model_case(model, cfg, kind: str, ctx: int, steps: int) -> dict:
 
 
 def engine_case(model, cfg, kind: str, ctx: int, steps: int, profile: bool) -> dict:
-    scheme = "full" if kind == "full" else "affine:4"
+    scheme = scheme_of(kind)
     att = AttentionConfig(cuda_kernel=kind.endswith("kernel"), cuda_min_tokens=0)
     engine = Engine(model, None, scheme_policy(scheme), 1, GenerateConfig(prefill_chunk=2048), interleave=False,
                     attention=att, ignore_eos=True)
