@@ -44,8 +44,9 @@ class SyncCounter:
         return out
 
 
-@pytest.mark.parametrize("kv", [KVOptions(), KVOptions(kv_bits=4, kv_group_size=32, quantized_kv_start=0)],
-                         ids=["full", "affine4"])
+@pytest.mark.parametrize("kv", [KVOptions(), KVOptions(kv_bits=4, kv_group_size=32, quantized_kv_start=0),
+                                KVOptions(kv="turbo:k4v3", quantized_kv_start=0)],
+                         ids=["full", "affine4", "turbo"])
 @pytest.mark.parametrize("rows", [1, 3])
 def test_a_steady_decode_step_syncs_once(llama, monkeypatch, kv, rows):
     model, tok = llama
