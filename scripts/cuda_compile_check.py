@@ -10,6 +10,7 @@ Needs NVRTC and nvdisasm from PyPI (no GPU, no CUDA install):
 
     pip install nvidia-cuda-nvrtc nvidia-cuda-nvdisasm nvidia-cuda-runtime
     python scripts/cuda_compile_check.py [--forms 0,1,2,3] [--bits 4,8] [--paged] [--sass out_folder]
+                                         [--turbo 4,3 [--q-dtype float32]]
 """
 
 from __future__ import annotations
@@ -168,6 +169,8 @@ def main() -> None:
     ap.add_argument("--forms", default="0,1,2,3")
     ap.add_argument("--bits", default="4,8")
     ap.add_argument("--sass", default=None, help="a folder for each kernel's cubin and SASS text")
+    ap.add_argument("--q-dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                    help="the query's dtype (float32 with --turbo: a steady step's rotated query, as it is)")
     ap.add_argument("--paged", action="store_true", help="the paged rows' kernel (pages found through a block table)")
     ap.add_argument("--turbo", default=None, metavar="KB,VB",
                     help="turbo K/V of these bits instead of affine (with MLXKV_CUDA_TURBO_MMA=1: the tensor-core body)")
@@ -197,7 +200,7 @@ def main() -> None:
                 codec, vcodec = TurboCodec(CodecSpec("turbo", kb_), D), TurboCodec(CodecSpec("turbo", vb_), D)
                 side, vside = Side("turbo", kb_, D, D), Side("turbo", vb_, D, D)
                 books = (codec.centroids, vcodec.centroids)
-            plan = Plan(side, vside, HQ // HKV, 1, a.paged, form if mma_fits(side, vside, HQ // HKV, 1, "bfloat16") else 0)
+            plan = Plan(side, vside, HQ // HKV, 1, a.paged, form if mma_fits(side, vside, HQ // HKV, 1, a.q_dtype) else 0)
             label = f"turbo:{a.turbo}" if a.turbo else f"affine:{bits}"
             if plan.why_not():
                 print(f"form {form} {label}: not covered ({plan.why_not()})")
@@ -209,7 +212,7 @@ def main() -> None:
             rows = mx.array([(-BIG, T, T)], dtype=mx.int32)
             table = mx.arange(pages, dtype=mx.int32)[None] if a.paged else None
             launch = ck.Launch(side, vside, parts[0], parts[1], books[0], books[1], rows, T, table=table)
-            q = mx.random.normal((1, HQ, 1, D)).astype(mx.bfloat16)
+            q = mx.random.normal((1, HQ, 1, D)).astype(getattr(mx, a.q_dtype))
             StandIn.built.clear()
             ck._KERNELS.clear()
             ck.partials(q, launch, plan, D ** -0.5, HKV, fused=True)

@@ -25,6 +25,7 @@ PORTABLE = AttentionConfig(cuda_kernel=False, qmm=False)
 
 
 LAUNCHES: list = []  # (fused, grid, output shapes) of every emulated decode launch
+QUERY_TYPES: list = []  # the query dtype of every emulated decode launch
 
 
 class _EmulatedDecode:
@@ -53,6 +54,7 @@ class _EmulatedDecode:
         else:
             out.append(mx.zeros((1,), dtype=output_dtypes[3]))
         LAUNCHES.append((self.fused, grid, [tuple(s) for s in output_shapes]))
+        QUERY_TYPES.append(q.dtype)
         return out
 
 
@@ -70,6 +72,7 @@ class _EmulatedMerge:
 def emulated(monkeypatch):
     """The kernel 'on CUDA', its plans admitted, its launches emulated."""
     LAUNCHES.clear()
+    QUERY_TYPES.clear()
     monkeypatch.setattr(cuda_decode, "backend_name", lambda: "cuda")
     monkeypatch.setattr(cuda_decode, "admitted", lambda plan, q_dtype: True)
     monkeypatch.setattr(cuda_kernels, "_kernel", lambda plan, fused, has_sink, dt: _EmulatedDecode(plan, fused, has_sink))
@@ -108,30 +111,43 @@ def test_a_steady_decode_launch_is_the_general_launch(emulated, monkeypatch, bit
     assert {f for f, _, _ in emulated} == {fused}
 
 
-@pytest.mark.parametrize("kbits,vbits,sinks", [(4, 3, True), (4, 4, False)])
-def test_a_steady_turbo_launch_is_the_general_launch(emulated, kbits, vbits, sinks):
+@pytest.mark.parametrize("kbits,vbits,sinks,dtype", [(4, 3, True, mx.float32), (4, 4, False, mx.float32),
+                                                     (4, 3, True, mx.bfloat16)])
+def test_a_steady_turbo_launch_is_the_general_launch(emulated, kbits, vbits, sinks, dtype):
     """TurboQuant layers (a key and a value set, not joint storage; attended in the rotated basis): from the second
     step each launch comes straight from hook._sdpa with the cache's recipe, the query rotated and the output
-    rotated back as `in_rotated_basis` does, and equals the general path's launch and the portable attention."""
+    rotated back as `in_rotated_basis` does, and equals the general path's launch and the portable attention.
+    A bf16 model's steady launches take the float32 rotated query as it is (no cast either side of the kernel):
+    its output is q's dtype, within bf16's rounding of the portable attention and of the general path."""
     mx.random.seed(kbits * 10 + vbits)
     cache = CompressedKVCache(CodecSpec("turbo", kbits), CodecSpec("turbo", vbits), start=0, attention=KERNEL)
-    cache.update_and_fetch(mx.random.normal((1, 2, 150, 64)), mx.random.normal((1, 2, 150, 64)))
-    sk = mx.random.normal((8,)) if sinks else None
+    cache.update_and_fetch(*(mx.random.normal((1, 2, 150, 64)).astype(dtype) for _ in range(2)))
+    sk = mx.random.normal((8,)).astype(dtype) if sinks else None
 
     def general(q, view):
         attend = lambda qq, v, scale, s: cuda_decode.attend(qq, cuda_decode.view_launches(qq, v), v.heads, scale, s)
         return in_rotated_basis(attend, q, view, 0.125, sk)
 
+    stepped = []
     for step in range(3):
-        view, _ = cache.update_and_fetch(mx.random.normal((1, 2, 1, 64)), mx.random.normal((1, 2, 1, 64)))
+        view, _ = cache.update_and_fetch(*(mx.random.normal((1, 2, 1, 64)).astype(dtype) for _ in range(2)))
         assert view.steady and view.segments[0].joint is None
         assert view.launch is (cuda_decode.kept_launch if step else None)
-        q = mx.random.normal((1, 8, 1, 64))
+        q = mx.random.normal((1, 8, 1, 64)).astype(dtype)
+        seen = len(QUERY_TYPES)
         got = _sdpa(q, view, view, cache, 0.125, None, sinks=sk)
+        assert got.dtype == dtype
+        stepped.append(QUERY_TYPES[seen:])
         want = blockwise.kv_attention(q, view, 0.125, sk, config=PORTABLE)
-        assert _close(got, want), step
-        assert np.array_equal(np.array(got), np.array(general(q, view))), step
+        if dtype == mx.float32:
+            assert _close(got, want), step
+            assert np.array_equal(np.array(got), np.array(general(q, view))), step
+        else:  # bf16 outputs: one rounding of the same attention
+            for other in (want, general(q, view)):
+                assert np.allclose(np.array(got.astype(mx.float32)), np.array(other.astype(mx.float32)),
+                                   atol=2e-2, rtol=2e-2), step
     assert cache.stats.calls.get("cuda-kernel") == 3
+    assert stepped == [[dtype], [mx.float32], [mx.float32]]  # kept steps: the rotated query as it is
 
 
 @pytest.mark.parametrize("specs", [(CodecSpec("affine", 4, 32),), (CodecSpec("turbo", 4), CodecSpec("turbo", 3))],
@@ -229,6 +245,25 @@ def test_the_real_kernel_from_its_recipes(dtype):
         got = _sdpa(q, pv, pv, batch, 0.088, None)
         assert mx.allclose(got, blockwise.packed_attention(q, pv, 0.088, None, config=PORTABLE), **tol).item()
     assert cache.stats.calls.get("cuda-kernel") == 3 and rows[0].stats.calls.get("cuda-kernel") == 3
+
+
+@pytest.mark.skipif(backend_name() != "cuda", reason="the real kernel runs on the CUDA backend only")
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32], ids=["bf16", "f32"])
+def test_the_real_turbo_kernel_from_its_recipe(dtype):
+    """On CUDA: turbo:k4v3 decode steps through the kept launch (the float32 rotated query handed to the
+    tensor-core body as it is, its float32 output into the inverse rotation) == the portable path, in q's dtype."""
+    mx.random.seed(13)
+    tol = {"atol": 2e-2, "rtol": 2e-2} if dtype == mx.bfloat16 else {"atol": 3e-3, "rtol": 3e-3}
+    cache = CompressedKVCache(CodecSpec("turbo", 4), CodecSpec("turbo", 3), start=0, attention=KERNEL)
+    cache.update_and_fetch(*(mx.random.normal((1, 8, 900, 128)).astype(dtype) for _ in range(2)))
+    for step in range(3):
+        view, _ = cache.update_and_fetch(*(mx.random.normal((1, 8, 1, 128)).astype(dtype) for _ in range(2)))
+        assert view.launch is (cuda_decode.kept_launch if step else None)
+        q = mx.random.normal((1, 32, 1, 128)).astype(dtype)
+        got = _sdpa(q, view, view, cache, 0.088, None)
+        assert got.dtype == dtype
+        assert mx.allclose(got, blockwise.kv_attention(q, view, 0.088, config=PORTABLE), **tol).item(), step
+    assert cache.stats.calls.get("cuda-kernel") == 3
 
 
 @pytest.mark.skipif(backend_name() != "cuda", reason="the real kernel runs on the CUDA backend only")

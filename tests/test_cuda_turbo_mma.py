@@ -142,6 +142,9 @@ def test_where_the_turbo_body_applies(monkeypatch):
     assert not cuda_mma.mma_fits(k4, v3, 4, 1, "bfloat16")  # the knob keeps the scalar body
     monkeypatch.delenv("MLXKV_CUDA_TURBO_MMA", raising=False)  # on by default
     assert cuda_mma.mma_fits(k4, v3, 4, 1, "bfloat16") and cuda_mma.mma_fits(k4, v3, 4, 2, "float16")
+    assert cuda_mma.mma_fits(k4, v3, 4, 1, "float32")  # a steady step's rotated query, as it is
+    a4 = Side("affine", 4, 64, 128)
+    assert cuda_mma.mma_fits(a4, a4, 4, 1, "bfloat16") and not cuda_mma.mma_fits(a4, a4, 4, 1, "float32")
     assert not cuda_mma.mma_fits(k4, Side("turbo", 3, 64, 64), 4, 1, "bfloat16")  # a lane's 24 bits: no halves
     assert not cuda_mma.mma_fits(Side("turbo", 3, 128, 128), v3, 4, 1, "bfloat16")  # 3-bit keys: scalar body
     assert not cuda_mma.mma_fits(k4, Side("affine", 4, 64, 128), 4, 1, "bfloat16")

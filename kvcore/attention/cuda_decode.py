@@ -50,6 +50,7 @@ from .cuda_launch import (
     token_bounds,
 )
 from .cuda_mma import mma_fits, variant
+from .rotated import rotate_view
 
 _VERDICTS = Verdicts("decode")  # (plan, q dtype name) -> None (admitted) or the reason it is not
 
@@ -280,15 +281,31 @@ def kept_launch(q: mx.array, view, scale: float, sinks) -> mx.array | None:
     rot = view.memo.get("rotation", _MISS)  # a rotation codec's layer attends in its basis (`in_rotated_basis`)
     if rot is _MISS:
         return None
-    recipe = view.memo.get(("kernel", rot, sinks is not None, q.dtype, q.shape[1], q.shape[2]))
-    if recipe is None or recipe is _MISS:
-        return None
-    out = _steady_launch(q if rot is None else rot.forward(q).astype(q.dtype), view, recipe, scale, sinks)
+    if rot is None:
+        recipe = view.memo.get(("kernel", None, sinks is not None, q.dtype, q.shape[1], q.shape[2]))
+        out = None if recipe is None or recipe is _MISS else _steady_launch(q, view, recipe, scale, sinks)
+    else:
+        out = _rotated_launch(q, view, rot, scale, sinks)
     if out is None:
         return None
     if view.stats is not None:
         view.stats.record("cuda-kernel")
-    return out if rot is None else rot.inverse(out, q.dtype)
+    return out
+
+
+def _rotated_launch(q: mx.array, view, rot, scale: float, sinks) -> mx.array | None:
+    """A rotation codec's steady step (TurboQuant): the query rotated in float32 goes to the kernel as it is (the
+    tensor-core body packs its fragments from float whatever q's type) and the kernel's float32 output goes
+    straight into the inverse rotation, which rounds once to q's dtype: no cast either side of the launch
+    (`in_rotated_basis` rounds the rotated query to q's dtype and widens the output back: two launches a layer
+    more). The recipe is kept for float32 queries over the view in the rotation's basis."""
+    qr = rot.forward(q)
+    recipe = _kept_recipe(qr, view, ("kernel", rot, sinks is not None),
+                          lambda qq, v: view_launches(qq, rotate_view(v, rot)))
+    if recipe is None:
+        return None
+    out = _steady_launch(qr, view, recipe, scale, sinks)
+    return None if out is None else rot.inverse(out, q.dtype)
 
 
 def _kept_recipe(q: mx.array, view, name: tuple, launches) -> tuple | None:

@@ -45,9 +45,12 @@ def variant() -> int:
 
 def mma_fits(key, value, rep: int, n_queries: int, q_dtype: str) -> bool:
     """Whether the tensor-core body covers these sides (cuda_launch.Side) and queries."""
-    if variant() == 0 or q_dtype not in ("bfloat16", "float16"):
+    turbo = "turbo" in (key.kind, value.kind)
+    # float32 queries: turbo's alone (the rotated query of a steady step, cuda_decode._rotated_launch), whose codes
+    # are centroids of 2-8 bits: fp16 fragments lose nothing they hold (the device check admits at fp16's bound)
+    if variant() == 0 or q_dtype not in ("bfloat16", "float16", *(("float32",) if turbo else ())):
         return False
-    if "turbo" in (key.kind, value.kind):  # form 1 only (cuda_turbo_mma.py; MLXKV_CUDA_TURBO_MMA=0: the scalar body)
+    if turbo:  # form 1 only (cuda_turbo_mma.py; MLXKV_CUDA_TURBO_MMA=0: the scalar body)
         from . import cuda_turbo_mma
 
         return variant() == 1 and cuda_turbo_mma.enabled() and rep * n_queries <= 8 and cuda_turbo_mma.turbo_fits(key, value)

@@ -30,7 +30,7 @@ class Rotation:
 
     def inverse(self, y: mx.array, dtype: mx.Dtype = mx.float32) -> mx.array:
         """y: (..., dim) -> R^T y (float32, or rounded once to `dtype`)."""
-        y = y.astype(mx.float32)
+        y = y if y.dtype == mx.float32 else y.astype(mx.float32)
         if self.signs is not None:
             return _signed_as(mx.hadamard_transform(y), self.signs, dtype)
         return (y @ self.matrix).astype(dtype)
