@@ -73,7 +73,7 @@ def model_case(model, cfg, kind: str, ctx: int, steps: int) -> dict:
     y.item()
     piped = (time.perf_counter() - t0) / (steps + 1)
     build = enc = wait = 0.0
-    for _ in range(steps // 2):
+    for _ in range(max(steps // 2, 1)):
         a = time.perf_counter()
         y = step(y)
         b = time.perf_counter()
@@ -83,7 +83,7 @@ def model_case(model, cfg, kind: str, ctx: int, steps: int) -> dict:
         d = time.perf_counter()
         build, enc, wait = build + b - a, enc + c - b, wait + d - c
     STOP()
-    n = steps // 2
+    n = max(steps // 2, 1)  # --steps 1 (a profiler's capture): one sync step still timed
     return {"case": f"model:{kind}", "context": ctx, "piped_ms": piped * 1e3, "sync_build_ms": build / n * 1e3,
             "sync_encode_ms": enc / n * 1e3, "sync_wait_ms": wait / n * 1e3}
 

@@ -325,6 +325,21 @@ def test_paged_bodies_look_a_tile_s_page_up_once_one_tile_ahead():
         assert loop.index("pb_next = ptab[") < loop.index("load_words") and loop.count("const int pb = pbt") >= 2
 
 
+def test_rows_past_the_32_bit_offsets_take_the_portable_path():
+    """The tensor-core bodies index within a row (or page) in 32-bit ints (a token's bytes times its index, from a
+    64-bit row base): a 4-bit 128-dim row (64 bytes a token) fits up to 2**25 - 1 tokens, a 256-dim 8-bit one
+    (256 bytes) a quarter of that; past it `attend` and the steady launch route to the portable path. Every
+    tensor-core body's loop keeps its per-token products out of 64-bit arithmetic."""
+    from kvcore.attention import cuda_form3, cuda_kernels, cuda_mma, cuda_turbo_mma
+
+    k4, k8 = Side("affine", 4, 64, 128), Side("affine", 8, 64, 256)
+    assert cuda_kernels.token_offsets_fit(k4, k4, 2**25 - 1) and not cuda_kernels.token_offsets_fit(k4, k4, 2**25)
+    assert cuda_kernels.token_offsets_fit(k4, k8, 2**23 - 1) and not cuda_kernels.token_offsets_fit(k4, k8, 2**23)
+    for body in (cuda_mma.BODY, cuda_form3.BODY, cuda_turbo_mma.body(128)):
+        loop = body[body.index("for (int t0 = t_begin"):]
+        assert "(long long)tp" not in loop and "long long ktb" not in body and "static_cast<int>(ks_strides[2])" in loop
+
+
 def test_a_floor_on_tiles_per_split_caps_the_splits_not_the_coverage():
     """MLXKV_CUDA_SPLIT_TILES's floor (the A/B knob): at 32k on 8 heads, 16 tiles a split give 32 splits, not the
     66 that 528 target blocks ask for; at 128k the target still decides; short rows keep a block per SM's worth

@@ -28,13 +28,14 @@ KEY_LOADS = r"""
         const int t = min(t0 + 8 * r + g, t_end - 1);
         const int pb = pbt, tp = PAGED ? t % PAGE : t;
         load_words<WTK>(r ? w1 : w0, row_base(kw, 4, kw_strides.data(), pb, h) + tp * ktb + 4 * WTK * c, kvec);
-        const long long mo = pb * ks_strides[0] + h * ks_strides[1] + (long long)tp * ks_strides[2];
-        const long long zo = pb * kb_strides[0] + h * kb_strides[1] + (long long)tp * kb_strides[2];
+        const __half* ksr = ks + (pb * ks_strides[0] + h * ks_strides[1]);
+        const __half* kbr = kb + (pb * kb_strides[0] + h * kb_strides[1]);
+        const int mo = tp * static_cast<int>(ks_strides[2]), zo = tp * static_cast<int>(kb_strides[2]);
 #pragma unroll
         for (int u = 0; u < NGT; u++) {
           const int grp = (KPL * c + u * KG) / KG;
-          (r ? sb : sa)[u] = __half2half2(ks[mo + grp * ks_strides[3]]);
-          (r ? zb : za)[u] = __half2half2(kb[zo + grp * kb_strides[3]]);
+          (r ? sb : sa)[u] = __half2half2(ksr[mo + grp * static_cast<int>(ks_strides[3])]);
+          (r ? zb : za)[u] = __half2half2(kbr[zo + grp * static_cast<int>(kb_strides[3])]);
         }
       }
 """

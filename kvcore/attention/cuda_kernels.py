@@ -222,6 +222,15 @@ def merge(q: mx.array, parts: list, rep: int, value_dim: int, sinks: mx.array | 
     )[0]
 
 
+ROW_OFFSET_LIMIT = 2**31  # the tensor-core bodies' offsets within a row (or page) are 32-bit ints (bytes)
+
+
+def token_offsets_fit(key: Side, value: Side, columns: int) -> bool:
+    """Whether a row of `columns` tokens keeps every in-row offset of the kernel below 2 GiB (a 4-bit 128-dim
+    row: 33 M tokens); longer rows take the portable path."""
+    return columns * 4 * max(key.words, value.words, 1) < ROW_OFFSET_LIMIT
+
+
 def fusable(plan: Plan, B: int, heads: int, columns: int) -> bool:
     """Whether one launch merges its own splits (its counters fit a slot of the ring, the split
     weights its shared memory)."""

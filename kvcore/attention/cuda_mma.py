@@ -155,7 +155,9 @@ PRELUDE = r"""
   const int g = lane >> 2, c = lane & 3;
   float* scratch = reinterpret_cast<float*>(smem);
 
-  const long long ktb = kw_strides[2] * 4ll, vtb = vw_strides[2] * 4ll;
+  // a token's bytes and the scales' token / group strides in 32 bits: offsets within a row (or page) are ints
+  // (cuda_kernels.token_offsets_fit: a row's tokens span under 2 GiB), its base stays 64-bit
+  const int ktb = static_cast<int>(kw_strides[2] * 4ll), vtb = static_cast<int>(vw_strides[2] * 4ll);
   const bool kvec = ((reinterpret_cast<unsigned long long>(kw) | (kw_strides[0] * 4ull) | (kw_strides[1] * 4ull) |
                       (ktb * 1ull)) % 16) == 0;
   const bool vvec = ((reinterpret_cast<unsigned long long>(vw) | (vw_strides[0] * 4ull) | (vw_strides[1] * 4ull) |
@@ -190,14 +192,15 @@ QUERIES = r"""
 KEY_LOAD = r"""      uint32_t w[WTK];
       load_words<WTK>(w, row_base(kw, 4, kw_strides.data(), pb, h) + tp * ktb + 4 * WTK * c, kvec);
 """
-KEY_SCALES = r"""      const long long mo = pb * ks_strides[0] + h * ks_strides[1] + (long long)tp * ks_strides[2];
-      const long long zo = pb * kb_strides[0] + h * kb_strides[1] + (long long)tp * kb_strides[2];
+KEY_SCALES = r"""      const __half* ksr = ks + (pb * ks_strides[0] + h * ks_strides[1]);
+      const __half* kbr = kb + (pb * kb_strides[0] + h * kb_strides[1]);
+      const int mo = tp * static_cast<int>(ks_strides[2]), zo = tp * static_cast<int>(kb_strides[2]);
       __half2 s2[NGT], z2[NGT];
 #pragma unroll
       for (int u = 0; u < NGT; u++) {
         const int grp = (KPL * c + u * KG) / KG;
-        s2[u] = __half2half2(ks[mo + grp * ks_strides[3]]);
-        z2[u] = __half2half2(kb[zo + grp * kb_strides[3]]);
+        s2[u] = __half2half2(ksr[mo + grp * static_cast<int>(ks_strides[3])]);
+        z2[u] = __half2half2(kbr[zo + grp * static_cast<int>(kb_strides[3])]);
       }
 """
 KEY_MMA = r"""        const int j = i / (PPK / 2), e = i % (PPK / 2), u = NGT > 1 ? (j * EPK) / KG : 0;
@@ -286,8 +289,10 @@ VALUE_LOADS = r"""
       const int t = min(t0 + 2 * c + (k & 1) + 8 * (k >> 1), t_end - 1);
       const int pb = pbt, tp = PAGED ? t % PAGE : t;
 """ + VALUE_WORDS + r"""      const int grp = (VPL * g) / VG;
-      vsc[k] = vs[pb * vs_strides[0] + (h + VH) * vs_strides[1] + (long long)tp * vs_strides[2] + grp * vs_strides[3]];
-      vbi[k] = vb[pb * vb_strides[0] + (h + VH) * vb_strides[1] + (long long)tp * vb_strides[2] + grp * vb_strides[3]];
+      vsc[k] = (vs + (pb * vs_strides[0] + (h + VH) * vs_strides[1]))[tp * static_cast<int>(vs_strides[2]) +
+                                                                   grp * static_cast<int>(vs_strides[3])];
+      vbi[k] = (vb + (pb * vb_strides[0] + (h + VH) * vb_strides[1]))[tp * static_cast<int>(vb_strides[2]) +
+                                                                   grp * static_cast<int>(vb_strides[3])];
     }
 """
 

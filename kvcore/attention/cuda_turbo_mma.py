@@ -84,7 +84,7 @@ _KEYS_DONE = r"""        mma16816(s[nb], qa[i][0], 0u, qa[i][1], 0u, b0, b1);
 _TURBO_KEYS_DONE = _KEYS_DONE + r"""#pragma unroll
       for (int z = 0; z < 2; z++) {
         const int tz = min(t0 + 8 * nb + 2 * c + z, t_end - 1), tpz = PAGED ? tz % PAGE : tz;
-        s[nb][z] *= __half2float(ks[pb * ks_strides[0] + h * ks_strides[1] + (long long)tpz * ks_strides[2]]);
+        s[nb][z] *= __half2float((ks + (pb * ks_strides[0] + h * ks_strides[1]))[tpz * static_cast<int>(ks_strides[2])]);
       }
 """
 
@@ -96,7 +96,7 @@ _TURBO_P = r"""    float pv[4] = {p[0][0], p[0][1], p[1][0], p[1][1]};
 #pragma unroll
     for (int k = 0; k < 4; k++) {
       const int t = min(t0 + 2 * c + (k & 1) + 8 * (k >> 1), t_end - 1), tp = PAGED ? t % PAGE : t;
-      pv[k] *= __half2float(vs[pbt * vs_strides[0] + (h + VH) * vs_strides[1] + (long long)tp * vs_strides[2]]);
+      pv[k] *= __half2float((vs + (pbt * vs_strides[0] + (h + VH) * vs_strides[1]))[tp * static_cast<int>(vs_strides[2])]);
     }
     const uint32_t pb0 = pack_h2(pv[0], pv[1]), pb1 = pack_h2(pv[2], pv[3]);
 """
@@ -161,7 +161,7 @@ def prelude() -> str:
     """cuda_mma.PRELUDE for byte rows (turbo arrays are uint8: strides count bytes), then the books."""
     text = PRELUDE
     for side in ("kw", "vw"):
-        for old in (f"{side}_strides[2] * 4ll", f"({side}_strides[0] * 4ull) | ({side}_strides[1] * 4ull)"):
+        for old in (f"static_cast<int>({side}_strides[2] * 4ll)", f"({side}_strides[0] * 4ull) | ({side}_strides[1] * 4ull)"):
             assert text.count(old) == 1, old
             text = text.replace(old, old.replace("* 4", "* 1"))
     return text + BOOKS
