@@ -243,11 +243,11 @@ def test_mma_plans_tile_and_share_the_merge():
 
 def test_the_staged_form_is_chosen_by_name(monkeypatch):
     """MLXKV_CUDA_MMA=2: the same plan in the form that stages each warp's tiles in a shared-memory ring
-    (more of it, its own kernel object); 0: the scalar body; unset: the tensor-core body."""
+    (more of it, its own kernel object); 0: the scalar body; 1: form 1 (unset: form 3, `form_for`)."""
     from kvcore.attention import cuda_decode
 
     A = Side("affine", 4, 64, 128)
-    monkeypatch.delenv("MLXKV_CUDA_MMA", raising=False)
+    monkeypatch.setenv("MLXKV_CUDA_MMA", "1")
     monkeypatch.delenv("MLXKV_CUDA_STAGES", raising=False)
     one = cuda_decode.plan_for(A, A, 4, 1, False, mx.bfloat16)
     monkeypatch.setenv("MLXKV_CUDA_MMA", "2")
@@ -301,7 +301,7 @@ def test_form3_is_form2_arithmetic_with_form1_loads(monkeypatch):
     from kvcore.attention import cuda_decode
 
     A = Side("affine", 4, 64, 128)
-    monkeypatch.delenv("MLXKV_CUDA_MMA", raising=False)
+    monkeypatch.setenv("MLXKV_CUDA_MMA", "1")
     first = cuda_decode.plan_for(A, A, 4, 1, False, mx.bfloat16)
     monkeypatch.setenv("MLXKV_CUDA_MMA", "3")
     third = cuda_decode.plan_for(A, A, 4, 1, False, mx.bfloat16)
@@ -311,4 +311,25 @@ def test_form3_is_form2_arithmetic_with_form1_loads(monkeypatch):
     used = set(re.findall(r"\b([A-Z][A-Z0-9_]{1,})\b", cuda_form3.BODY)) - local
     assert used <= names, used - names
     monkeypatch.setenv("MLXKV_CUDA_MMA", "4")  # unknown forms fall back to the default
-    assert cuda_mma.variant() == 1
+    assert cuda_mma.variant() is None and cuda_decode.plan_for(A, A, 4, 1, False, mx.bfloat16) == third
+
+
+def test_the_default_form_is_form_3_where_it_covers_and_form_1_elsewhere(monkeypatch):
+    """Unset MLXKV_CUDA_MMA: affine sides whose codes pair within half-words run form 3 (run 19: 2-3% under form 1
+    at 32k-128k); turbo sides and affine code chunks keep form 1's bodies (the only form that has them), so they
+    stay on the tensor cores rather than falling to the scalar body; an explicit form still decides."""
+    from kvcore.attention import cuda_decode
+
+    monkeypatch.delenv("MLXKV_CUDA_MMA", raising=False)
+    A = lambda bits, d=128, g=64: Side("affine", bits, g, d)
+    T4, T3 = Side("turbo", 4, 128, 128), Side("turbo", 3, 128, 128)
+    plan = lambda k, v, dt=mx.bfloat16: cuda_decode.plan_for(k, v, 4, 1, False, dt)
+    assert plan(A(4), A(4)).mma == plan(A(8), A(2)).mma == 3 and plan(A(4), A(4)).paged is False
+    assert cuda_decode.plan_for(A(4), A(4), 4, 1, True, mx.bfloat16).mma == 3  # paged rows too
+    assert plan(A(3), A(3)).mma == 1 and plan(A(4, g=4), A(4)).mma == 1  # code chunks: form 1's body
+    assert plan(T4, T3).mma == 1 and plan(T4, T3, mx.float32).mma == 1  # turbo: form 1's body, f32 rotated queries
+    assert plan(A(4), A(4), mx.float32).mma == 0  # fp32 affine queries keep the scalar body
+    monkeypatch.setenv("MLXKV_CUDA_MMA", "1")
+    assert plan(A(4), A(4)).mma == 1 and plan(T4, T3).mma == 1
+    monkeypatch.setenv("MLXKV_CUDA_MMA", "2")
+    assert plan(A(4), A(4)).mma == 2 and plan(T4, T3).mma == 0  # turbo has no staged body: the scalar one

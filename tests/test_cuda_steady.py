@@ -73,6 +73,10 @@ def emulated(monkeypatch):
     """The kernel 'on CUDA', its plans admitted, its launches emulated."""
     LAUNCHES.clear()
     QUERY_TYPES.clear()
+    # launch constants of this test alone: the ring's slot table is built from SLOT on first use, and a test that
+    # sets SLOT to 0 (split-merge) would otherwise leave every later test's slots at base 0 (run 18/19 on CUDA,
+    # where xdist happened to run one first in a worker)
+    monkeypatch.setattr(cuda_kernels, "_CONST", {})
     monkeypatch.setattr(cuda_decode, "backend_name", lambda: "cuda")
     monkeypatch.setattr(cuda_decode, "admitted", lambda plan, q_dtype: True)
     monkeypatch.setattr(cuda_kernels, "_kernel", lambda plan, fused, has_sink, dt: _EmulatedDecode(plan, fused, has_sink))

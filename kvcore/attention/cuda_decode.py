@@ -50,7 +50,7 @@ from .cuda_launch import (
     Side,
     token_bounds,
 )
-from .cuda_mma import mma_fits, variant
+from .cuda_mma import form_for, mma_fits
 from .rotated import rotate_view
 
 _VERDICTS = Verdicts("decode")  # (plan, q dtype name) -> None (admitted) or the reason it is not
@@ -206,9 +206,9 @@ def _packed_rows(q_start: mx.array, n_queries: int) -> mx.array:
 
 
 def plan_for(key: Side, value: Side, rep: int, n_queries: int, paged: bool, q_dtype) -> Plan:
-    """The plan a launch runs: the tensor-core body (in the form MLXKV_CUDA_MMA names) where it covers the
-    sides and queries, else the scalar one."""
-    return _plan(key, value, rep, n_queries, paged, dtype_name(q_dtype), variant())
+    """The plan a launch runs: the tensor-core body (in the form `form_for` picks) where it covers the sides and
+    queries, else the scalar one."""
+    return _plan(key, value, rep, n_queries, paged, dtype_name(q_dtype), form_for(key, value))
 
 
 @cache

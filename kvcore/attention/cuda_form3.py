@@ -1,5 +1,5 @@
-"""The third form of the tensor-core decode body (`MLXKV_CUDA_MMA=3`, opt-in until measured on the
-device): the staged form's arithmetic (`cuda_stage`: S^T = K Q^T, the dequantized keys as the mma's A
+"""The third form of the tensor-core decode body (`MLXKV_CUDA_MMA=3`; the default for affine sides whose codes
+pair within half-words since run 19, `cuda_mma.form_for`): the staged form's arithmetic (`cuda_stage`: S^T = K Q^T, the dequantized keys as the mma's A
 operand, all 16 rows real, the query fragments as B, two accumulator chains, P^T's fragment by four
 shuffles) with the register form's loads (`cuda_mma.LOOP`: each lane reads its own K words of tokens
 t0 + g and t0 + 8 + g, its V words of tokens 2c, 2c + 1, 2c + 8, 2c + 9 and their scales and biases
@@ -7,7 +7,9 @@ from global memory straight into registers; no shared-memory ring, no cp.async).
 
 Form 1's score mma takes the queries as A with rows 8..15 zero (24 HMMA per 16 tokens, this form 16);
 form 2 spends ~280 more instructions per 16 tokens staging. CPU build (scripts/cuda_compile_check.py):
-main loop 687 instructions for affine:4 against form 1's 714 and form 2's 998, 125 registers, no spills.
+main loop 687 instructions for affine:4 against form 1's 714 and form 2's 998, 125 registers, no spills (641
+against 671 and 963 with 32-bit in-row offsets, run 19; ncu there: 33.9 / 54.3 / 94.7 us at 32k / 64k / 128k
+against form 1's 34.6 / 55.8 / 98.0).
 Shared memory, launch bounds and constants are form 1's (`cuda_mma.mma_smem`, `cuda_mma.min_blocks`).
 """
 

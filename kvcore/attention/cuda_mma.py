@@ -22,7 +22,7 @@ query fragments follow the same permutation, and the output is written back in n
   elements m and DV / 16 + m, two tokens' codes joined in one half2 by a byte permute.
 - Softmax in log2 units (q is scaled by scale * log2 e), the partial max written back in natural units.
 Forms (`variant`): 1 this one; 2 the staged form (`cuda_stage`: S^T = K Q^T, keys as A, tiles in a
-shared-memory ring); 3 (`cuda_form3`, opt-in until measured on the H200) form 2's S^T arithmetic with this
+shared-memory ring); 3 (`cuda_form3`, the default where it covers since run 19: `form_for`) form 2's S^T arithmetic with this
 form's loads into registers, and this form's shared memory and launch bounds.
 """
 
@@ -33,34 +33,48 @@ import os
 MMA_BITS = (2, 4, 8)  # codes that pack a whole number of element pairs into each half of a word
 
 
-def variant() -> int:
-    """MLXKV_CUDA_MMA: 0 the scalar body everywhere; 1 (default) the tensor-core body where it fits, K/V
-    read into registers; 2 its staged form (`cuda_stage`: each warp's tiles in a shared-memory ring filled
-    by cp.async), kept for an A/B on the device until measured; 3 (`cuda_form3`, opt-in until measured on the
-    H200) form 2's arithmetic (S^T = K Q^T, keys as the mma's A operand, no zero-padded query fragment) with
-    form 1's loads from global memory into registers, form 1's shared memory and launch bounds."""
-    v = os.environ.get("MLXKV_CUDA_MMA", "1")
-    return int(v) if v in ("0", "1", "2", "3") else 1
+def variant() -> int | None:
+    """MLXKV_CUDA_MMA as set: 0 the scalar body everywhere; 1 the tensor-core body where it fits, K/V read into
+    registers, S = Q K^T; 2 its staged form (`cuda_stage`: each warp's tiles in a shared-memory ring filled by
+    cp.async, keys as the mma's A operand); 3 (`cuda_form3`) form 2's arithmetic (S^T = K Q^T, no zero-padded
+    query fragment) with form 1's loads into registers, shared memory and launch bounds. None when unset (or
+    not a form): `form_for` picks per sides."""
+    v = os.environ.get("MLXKV_CUDA_MMA")
+    return int(v) if v in ("0", "1", "2", "3") else None
+
+
+DEFAULT_FORM = 3  # affine sides whose codes pair within half-words; run 19 (ncu, 4-bit, llama-8b attention): form 3
+# 33.9 / 54.3 / 94.7 us at 32k / 64k / 128k against form 1's 34.6 / 55.8 / 98.0 (form 2: 35.2 / 55.3 / 90.4)
+
+
+def form_for(key, value) -> int:
+    """The tensor-core form these sides run: MLXKV_CUDA_MMA where set; else form 3 for affine sides whose codes
+    pair within half-words (`word_fits`), form 1 for the rest (turbo and code-chunk bodies are form 1's alone)."""
+    v = variant()
+    if v is not None:
+        return v
+    return DEFAULT_FORM if key.kind == value.kind == "affine" and word_fits(key, value) else 1
 
 
 def mma_fits(key, value, rep: int, n_queries: int, q_dtype: str) -> bool:
     """Whether the tensor-core body covers these sides (cuda_launch.Side) and queries."""
     turbo = "turbo" in (key.kind, value.kind)
+    form = form_for(key, value)
     # float32 queries: turbo's alone (the rotated query of a steady step, cuda_decode._rotated_launch), whose codes
     # are centroids of 2-8 bits: fp16 fragments lose nothing they hold (the device check admits at fp16's bound)
-    if variant() == 0 or q_dtype not in ("bfloat16", "float16", *(("float32",) if turbo else ())):
+    if form == 0 or q_dtype not in ("bfloat16", "float16", *(("float32",) if turbo else ())):
         return False
     if turbo:  # form 1 only (cuda_turbo_mma.py; MLXKV_CUDA_TURBO_MMA=0: the scalar body)
         from . import cuda_turbo_mma
 
-        return variant() == 1 and cuda_turbo_mma.enabled() and rep * n_queries <= 8 and cuda_turbo_mma.turbo_fits(key, value)
+        return form == 1 and cuda_turbo_mma.enabled() and rep * n_queries <= 8 and cuda_turbo_mma.turbo_fits(key, value)
     if key.kind != "affine" or value.kind != "affine" or rep * n_queries > 8:
         return False
     if word_fits(key, value):
         return True
     from . import cuda_chunk_mma  # codes that do not pair within half-words (cuda_chunk_mma.py)
 
-    return variant() == 1 and cuda_chunk_mma.enabled() and cuda_chunk_mma.chunk_fits(key, value)
+    return form == 1 and cuda_chunk_mma.enabled() and cuda_chunk_mma.chunk_fits(key, value)
 
 
 def word_fits(key, value) -> bool:
