@@ -143,5 +143,10 @@ def test_conversion_encodes_in_pieces(spec):
         caches.append(c)
     a, b = caches
     assert (a.enc.n, a.tail.n, a.enc_start, a.tail_start) == (b.enc.n, b.tail.n, b.enc_start, b.tail_start)
-    assert all(mx.array_equal(x, y).item() for x, y in zip(a.state, b.state))
+    for x, y in zip(a.state, b.state):  # codes bit for bit; a norm or scale may round its last bit differently
+        if mx.issubdtype(x.dtype, mx.integer):  # (a BLAS's kernels for 512 rows against 3000: one fp16 ulp, in
+            assert mx.array_equal(x, y).item()  # 1 of 5 984 turbo norms with OpenBLAS on a Zen CPU)
+        else:
+            assert mx.allclose(x, y, rtol=2**-10, atol=0).item()
+            assert (x != y).sum().item() <= max(1, x.size // 1000)
     assert peaks[0] < 0.6 * peaks[1], peaks
