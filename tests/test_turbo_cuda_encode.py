@@ -122,6 +122,35 @@ def test_the_launch_serves_only_where_asked_and_covered(monkeypatch):
         assert all(a.tolist() == b.tolist() for a, b in zip(codec.encode(x), codec.portable_encode(x)))
 
 
+def test_a_cache_checks_its_turbo_encoder_once_and_launches_it_each_step(monkeypatch):
+    """A TurboQuant layer's decode steps encode K and V through the launch with the checks made once per side for
+    the cache (`turbo_cuda_encode.encoder`, kept in the cache's memo), not once per step; its state is what the
+    per-call `encode` stores. "CUDA" here: the backend named so and a launch that returns the portable encode."""
+    from kvcore.cache import CompressedKVCache
+
+    checks, launches = [], []
+    monkeypatch.setattr(turbo_cuda_encode, "backend_name", lambda: "cuda")
+    monkeypatch.setattr(turbo_cuda_encode, "admitted", lambda codec, dtype: checks.append(codec.bits) or True)
+    monkeypatch.setattr(turbo_cuda_encode, "launch", lambda x, codec: launches.append(codec.bits) or codec.portable_encode(x))
+    mx.random.seed(3)
+    cache = CompressedKVCache(CodecSpec("turbo", 4), CodecSpec("turbo", 3), start=0)
+    cache.update_and_fetch(mx.random.normal((1, 2, 40, 128)), mx.random.normal((1, 2, 40, 128)))
+    first = len(launches)
+    steps = [(mx.random.normal((1, 2, 1, 128)), mx.random.normal((1, 2, 1, 128))) for _ in range(5)]
+    for k, v in steps:
+        cache.update_and_fetch(k, v)
+    assert sorted(checks) == [3, 4] and launches[first:] == [4, 3] * 5  # one check per side, a launch per step
+    ks, vs = cache._split_enc()
+    for i, (k, v) in enumerate(steps):  # each step's cells and scales: the portable encode's
+        for got, want in zip((*ks, *vs), (*cache.key_codec.portable_encode(k), *cache.value_codec.portable_encode(v))):
+            assert mx.array_equal(got[:, :, 40 + i : 41 + i], want).item()
+    monkeypatch.setenv("MLXKV_CUDA_TURBO_ENCODE", "0")  # a new cache sees the knob (the kept encoder is per cache)
+    other = CompressedKVCache(CodecSpec("turbo", 4), CodecSpec("turbo", 3), start=0)
+    n = len(launches)
+    other.update_and_fetch(*steps[0])
+    assert len(launches) == n
+
+
 @pytest.mark.skipif(backend_name() != "cuda", reason="the real kernel runs on the CUDA backend only")
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 8])
 @pytest.mark.parametrize("d", [64, 128, 256])

@@ -142,9 +142,19 @@ class CompressedKVCache(StateProtocol, _BaseCache):
                 parts = self.key_codec.encode(mx.concatenate([keys, values], axis=1))
             self._n_key_parts = len(parts)
             return parts
-        ek = self.key_codec.encode(keys)
+        ek = self._side_encoder("key", self.key_codec, keys)(keys)
         self._n_key_parts = len(ek)
-        return (*ek, *self.value_codec.encode(values))
+        return (*ek, *self._side_encoder("value", self.value_codec, values)(values))
+
+    def _side_encoder(self, side: str, codec, x: mx.array):
+        """The codec's encode for inputs like `x`, kept in the memo: a codec with a one-launch encoder (TurboQuant
+        on CUDA, `turbo_cuda_encode.encoder`) has its checks made once per cache, not per decode step."""
+        key = ("side encoder", side, x.dtype, x.shape[-1], backend_name())
+        enc = self.memo.get(key)
+        if enc is None:
+            make = getattr(codec, "encoder", None)
+            enc = self.memo[key] = (make(x.dtype, x.shape[-1]) if make is not None else None) or codec.encode
+        return enc
 
     @property
     def lag(self) -> int:

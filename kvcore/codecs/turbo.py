@@ -90,6 +90,11 @@ class TurboCodec:
         out = turbo_cuda_encode.encode(self, x)
         return self.portable_encode(x) if out is None else out
 
+    def encoder(self, dtype, dim: int):
+        """`encode` for inputs of this dtype and head dim as one function with its checks made once (the CUDA
+        launch where it serves, else None: callers fall back to `encode`)."""
+        return turbo_cuda_encode.encoder(self, dtype, dim) if dim == self.head_dim else None
+
     def portable_encode(self, x: mx.array) -> Encoded:
         """The encode in pure MLX (the reference of the CUDA launch)."""
         idx, scale = _quantizer(self.head_dim, self.bits)(self.rotation.forward(x))  # rotated: float32
