@@ -335,6 +335,11 @@ def test_rows_past_the_32_bit_offsets_take_the_portable_path():
     k4, k8 = Side("affine", 4, 64, 128), Side("affine", 8, 64, 256)
     assert cuda_kernels.token_offsets_fit(k4, k4, 2**25 - 1) and not cuda_kernels.token_offsets_fit(k4, k4, 2**25)
     assert cuda_kernels.token_offsets_fit(k4, k8, 2**23 - 1) and not cuda_kernels.token_offsets_fit(k4, k8, 2**23)
+    plan = Plan(k4, k4, 4, 1, False, 3)
+    recipe, q = (plan, (k4, None), (k4, None), {}), mx.zeros((1, 32, 1, 128), dtype=mx.bfloat16)
+    arrays = (mx.zeros((1, 8, 1, 16), dtype=mx.uint32),) * 3
+    assert cuda_kernels.arrays_launch(q, recipe, arrays, arrays, 0, None, 2**25, 8, 0.1, None) is None  # portable
+    assert recipe[3] == {}  # and no geometry kept for it
     for body in (cuda_mma.BODY, cuda_form3.BODY, cuda_turbo_mma.body(128)):
         loop = body[body.index("for (int t0 = t_begin"):]
         assert "(long long)tp" not in loop and "long long ktb" not in body and "static_cast<int>(ks_strides[2])" in loop

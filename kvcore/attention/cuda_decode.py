@@ -228,7 +228,8 @@ def attend(q: mx.array, launches: list[Launch] | None, heads: int, scale: float,
     plans = [plan_for(L.key, L.value, rep, N, L.table is not None, q.dtype) for L in launches]
     if any(not admitted(p, q.dtype) for p in plans) or len({p.value.dim for p in plans}) > 1:
         return None
-    if not all(token_offsets_fit(p.key, p.value, L.columns) for L, p in zip(launches, plans)):
+    spans = [L.columns if L.table is None else PAGE for L in launches]  # paged rows: offsets within a page
+    if not all(token_offsets_fit(p.key, p.value, n) for p, n in zip(plans, spans)):
         return None
     if len(launches) == 1 and fusable(plans[0], B, heads, launches[0].columns):
         return partials(q, launches[0], plans[0], scale, heads, sinks=sinks, fused=True)[3]
@@ -264,8 +265,6 @@ def _steady_launch(q: mx.array, view, recipe: tuple, scale: float, sinks) -> mx.
     """The launch of a steady view's one segment from its recipe: joint storage, or a key and a value set
     (TurboQuant, mixed codecs) read from the segment's parts; None where those are not the kernel's arrays."""
     seg = view.segments[0]
-    if not token_offsets_fit(recipe[0].key, recipe[0].value, seg.length):
-        return None
     rows = _rows((-BIG, view.q_start + 1 - seg.start, seg.length), q.shape[0])
     if seg.joint is not None:
         return joint_launch(q, recipe, seg.joint, rows, seg.length, view.heads, scale, sinks)

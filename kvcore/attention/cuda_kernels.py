@@ -13,7 +13,7 @@ import mlx.core as mx
 from ..backend import paged
 from . import cuda_chunk_mma, cuda_form3, cuda_mma, cuda_prefetch, cuda_stage, cuda_turbo_mma
 from . import cuda_source as src
-from .cuda_launch import THREADS, Plan, Side
+from .cuda_launch import PAGE, THREADS, Plan, Side
 
 _KERNELS: dict = {}
 _CONST: dict = {}
@@ -247,13 +247,16 @@ def joint_launch(q: mx.array, recipe: tuple, joint, rows: mx.array, columns: int
 def arrays_launch(q: mx.array, recipe: tuple, k_arrays: tuple, v_arrays: tuple, v_head: int, rows: mx.array,
                   columns: int, heads: int, scale: float, sinks, table: mx.array | None = None) -> mx.array:
     """The launch `attend` makes for one Launch(k_arrays, v_arrays, rows, columns, v_head[, table]) from its
-    recipe: joint storage (the same arrays, V from head `v_head`) or a key and a value set (v_head 0)."""
+    recipe: joint storage (the same arrays, V from head `v_head`) or a key and a value set (v_head 0); None for
+    rows too long for the kernel's 32-bit in-row offsets (checked once per geometry: the portable path serves)."""
     B = q.shape[0]
     plan, (ks, kb), (vs, vb), geometry = recipe
     tiles = -(-columns // plan.tile)
     width = 0 if table is None else table.shape[1]
     geo = geometry.get((B, tiles, width, v_head))
     if geo is None:
+        if not token_offsets_fit(plan.key, plan.value, columns if table is None else PAGE):  # paged: within a page
+            return None
         geo = geometry[(B, tiles, width, v_head)] = _joint_geometry(plan, B, heads, tiles, sinks is not None, q.dtype,
                                                                    width, v_head)
     kernel, grid, shapes, ints, fused = geo
