@@ -6,7 +6,8 @@
 #            128k in a run whose mlx-lm 32k baseline was out of band);
 # PART=c: the kernel A/B under ncu at 4k, 32k and 128k: form 3 (the default), form 1, form 3 on scaled codes
 #         (`MLXKV_CUDA_DEQ=scaled`, cuda_scaled.py: 641 -> 612 instructions a tile on CPU), form 3 at 5 blocks an
-#         SM (96 registers, no spill since the 32-bit offsets) with 660 target blocks; then the kernel tests with
+#         SM (96 registers, no spill since the 32-bit offsets) with 660 target blocks, and 264 target blocks (half the
+#         splits: the ~14 us a launch costs beyond its bytes is a third of a 32k launch); then the kernel tests with
 #         the scaled codes (they must pass before that variant can become a default).
 # PART=b: P8 and P3 (`gpu_prefill_memory.py --p8`: last 11.38 GB against 10), then the 128k prefill rows with the
 #         delayed start repeated (run 16: 0.84x, one repeat).
@@ -21,8 +22,9 @@ if [ "${PART:-a}" = a ]; then
     --only mlx-lm/bf16,mlxkv/affine:4/True,mlxkv/affine:8/True,mlxkv/turbo:k4v3/True \
     --output "$RES/h200-llama-8b-run20.json"
 elif [ "${PART}" = c ]; then
-  step forms 230 env OUT="$RES" CONTEXTS="4096 32768 131072" VARIANTS="MLXKV_CUDA_MMA=3 MLXKV_CUDA_MMA=1 \
-MLXKV_CUDA_DEQ=scaled MLXKV_CUDA_MIN_BLOCKS=5,MLXKV_CUDA_TARGET_BLOCKS=660" bash scripts/gpu_kernel_ab.sh
+  step forms 290 env OUT="$RES" CONTEXTS="4096 32768 131072" VARIANTS="MLXKV_CUDA_MMA=3 MLXKV_CUDA_MMA=1 \
+MLXKV_CUDA_DEQ=scaled MLXKV_CUDA_MIN_BLOCKS=5,MLXKV_CUDA_TARGET_BLOCKS=660 MLXKV_CUDA_TARGET_BLOCKS=264" \
+    bash scripts/gpu_kernel_ab.sh
   step tests-scaled 150 env MLXKV_CUDA_DEQ=scaled python3 -m pytest -q -n 8 --timeout 120 -p no:cacheprovider \
     -p no:benchmark -rfE --tb=short tests/test_cuda_decode.py tests/test_cuda_steady.py
 else
