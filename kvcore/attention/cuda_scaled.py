@@ -12,8 +12,8 @@ x * S + Z = S + c s + z - S = c s + z        one HFMA2, no HADD2
 so each pair costs its shift, its mask and one fma: 64 HADD2 fewer per warp and 16 tokens for 4-bit 128-dim
 K and V, against one more shift per word (the pair at bit 0 now moves too) and four half2 products per tile
 (`cuda_compile_check.py`: 641 -> 612 instructions in form 3's loop; ptxas rebuilds the new mask per use).
-Z's rounding adds at most half an ulp of |z| + 2^B |s| to the result's own rounding: about one more fp16 ulp of the values, far below the codes' step
-(the device check admits each plan against the float32 reference at fp16's bound, as for form 3 itself).
+Z's rounding adds at most half an ulp of |z| + 2^B |s| to the result's own rounding: about one more fp16 ulp
+of the values (the device check admits each plan against the float32 reference at fp16's bound, as for form 3).
 
 The shift moves both 16-bit halves of a word at once; no bit of one half lands in the other's mask (a left
 shift by 10 - B - p moves the low half's bits at most to bit 25 - p - B < 26 - B, the high half's mask's
