@@ -335,6 +335,7 @@ def test_rows_past_the_32_bit_offsets_take_the_portable_path():
     k4, k8 = Side("affine", 4, 64, 128), Side("affine", 8, 64, 256)
     assert cuda_kernels.token_offsets_fit(k4, k4, 2**25 - 1) and not cuda_kernels.token_offsets_fit(k4, k4, 2**25)
     assert cuda_kernels.token_offsets_fit(k4, k8, 2**23 - 1) and not cuda_kernels.token_offsets_fit(k4, k8, 2**23)
+    assert cuda_kernels.token_offsets_fit(k4, k8, 2**30, paged=True)  # paged rows: offsets within a page
     plan = Plan(k4, k4, 4, 1, False, 3)
     recipe, q = (plan, (k4, None), (k4, None), {}), mx.zeros((1, 32, 1, 128), dtype=mx.bfloat16)
     arrays = (mx.zeros((1, 8, 1, 16), dtype=mx.uint32),) * 3

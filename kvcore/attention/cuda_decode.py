@@ -228,8 +228,7 @@ def attend(q: mx.array, launches: list[Launch] | None, heads: int, scale: float,
     plans = [plan_for(L.key, L.value, rep, N, L.table is not None, q.dtype) for L in launches]
     if any(not admitted(p, q.dtype) for p in plans) or len({p.value.dim for p in plans}) > 1:
         return None
-    spans = [L.columns if L.table is None else PAGE for L in launches]  # paged rows: offsets within a page
-    if not all(token_offsets_fit(p.key, p.value, n) for p, n in zip(plans, spans)):
+    if not all(token_offsets_fit(p.key, p.value, L.columns, L.table is not None) for L, p in zip(launches, plans)):
         return None
     if len(launches) == 1 and fusable(plans[0], B, heads, launches[0].columns):
         return partials(q, launches[0], plans[0], scale, heads, sinks=sinks, fused=True)[3]

@@ -230,10 +230,10 @@ def merge(q: mx.array, parts: list, rep: int, value_dim: int, sinks: mx.array | 
 ROW_OFFSET_LIMIT = 2**31  # the tensor-core bodies' offsets within a row (or page) are 32-bit ints (bytes)
 
 
-def token_offsets_fit(key: Side, value: Side, columns: int) -> bool:
+def token_offsets_fit(key: Side, value: Side, columns: int, paged: bool = False) -> bool:
     """Whether a row of `columns` tokens keeps every in-row offset of the kernel below 2 GiB (a 4-bit 128-dim
-    row: 33 M tokens); longer rows take the portable path."""
-    return columns * 4 * max(key.words, value.words, 1) < ROW_OFFSET_LIMIT
+    row: 33 M tokens); longer rows take the portable path. Paged rows' offsets lie within a page."""
+    return (PAGE if paged else columns) * 4 * max(key.words, value.words, 1) < ROW_OFFSET_LIMIT
 
 
 def fusable(plan: Plan, B: int, heads: int, columns: int) -> bool:
@@ -260,7 +260,7 @@ def arrays_launch(q: mx.array, recipe: tuple, k_arrays: tuple, v_arrays: tuple, 
     width = 0 if table is None else table.shape[1]
     geo = geometry.get((B, tiles, width, v_head))
     if geo is None:
-        if not token_offsets_fit(plan.key, plan.value, columns if table is None else PAGE):  # paged: within a page
+        if not token_offsets_fit(plan.key, plan.value, columns, table is not None):
             return None
         geo = geometry[(B, tiles, width, v_head)] = _joint_geometry(plan, B, heads, tiles, sinks is not None, q.dtype,
                                                                    width, v_head)

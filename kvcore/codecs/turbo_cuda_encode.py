@@ -155,11 +155,7 @@ def _boundaries(bits: int) -> mx.array:
 
 def encode(codec, x: mx.array) -> tuple[mx.array, mx.array] | None:
     """`codec.encode(x)` in one launch, or None where it does not serve (the portable encode then does)."""
-    if not enabled() or backend_name() != "cuda" or codec.rotation.signs is None:
-        return None
-    if x.ndim != 4 or x.dtype not in DTYPES or x.shape[-1] not in DIMS or (x.shape[-1] * codec.bits) % 8:
-        return None
-    if not admitted(codec, x.dtype):
+    if x.ndim != 4 or encoder(codec, x.dtype, x.shape[-1]) is None:
         return None
     return launch(x, codec)
 
