@@ -88,14 +88,52 @@ def model_case(model, cfg, kind: str, ctx: int, steps: int) -> dict:
             "sync_encode_ms": enc / n * 1e3, "sync_wait_ms": wait / n * 1e3}
 
 
-def engine_case(model, cfg, kind: str, ctx: int, steps: int, profile: bool) -> dict:
+def batch_loop(model, caches: list, rows: int, steps: int) -> dict:
+    """mlx-lm's pipelined loop (gpu_step_anatomy's) over caches of `rows` rows: ms per step, and the
+    synchronous step split into build / encode / wait."""
+    def step(tok):
+        return mx.argmax(model(tok, cache=caches)[:, -1, :], axis=-1, keepdims=True)
+
+    y = mx.full((rows, 1), 11, mx.int32)
+    y = step(y)
+    mx.eval(y)
+    t0 = time.perf_counter()
+    y = step(y)
+    mx.async_eval(y)
+    for _ in range(steps):
+        nxt = step(y)
+        mx.async_eval(nxt)
+        y.tolist()
+        y = nxt
+    y.tolist()
+    piped = (time.perf_counter() - t0) / (steps + 1)
+    build = enc = wait = 0.0
+    n = max(steps // 2, 1)
+    for _ in range(n):
+        a = time.perf_counter()
+        y = step(y)
+        b = time.perf_counter()
+        mx.async_eval(y)
+        c = time.perf_counter()
+        y.tolist()
+        d = time.perf_counter()
+        build, enc, wait = build + b - a, enc + c - b, wait + d - c
+    return {"piped_ms": piped * 1e3, "sync_build_ms": build / n * 1e3, "sync_encode_ms": enc / n * 1e3,
+            "sync_wait_ms": wait / n * 1e3}
+
+
+def engine_case(model, cfg, kind: str, ctx: int, steps: int, profile: bool, rows: int = 1) -> dict:
     scheme = scheme_of(kind)
     att = AttentionConfig(cuda_kernel=kind.endswith("kernel"), cuda_min_tokens=0)
-    engine = Engine(model, None, scheme_policy(scheme), 1, GenerateConfig(prefill_chunk=2048), interleave=False,
+    engine = Engine(model, None, scheme_policy(scheme), rows, GenerateConfig(prefill_chunk=2048), interleave=False,
                     attention=att, ignore_eos=True)
-    filled = fill(engine.runner.new_caches(), ctx, cfg["num_key_value_heads"], cfg["head_dim"], mx.bfloat16)
-    engine.runner.new_caches = lambda: filled
-    engine.add_request(Request((11,), steps + 12, "0"))
+    filled = [fill(engine.runner.new_caches(), ctx, cfg["num_key_value_heads"], cfg["head_dim"], mx.bfloat16)
+              for _ in range(rows)]
+    engine.runner.new_caches = filled.pop  # pop: a merged row's own caches are freed (gpu_bench.mlxkv_decode)
+    mx.synchronize()
+    mx.reset_peak_memory()  # from here: the rows' merge and the steps (the filled caches already held)
+    for i in range(rows):
+        engine.add_request(Request((11 + i,), 2 * steps + 24, str(i)))
     done = 0
     while engine.has_work and done < 10:
         engine.step()
@@ -114,7 +152,10 @@ def engine_case(model, cfg, kind: str, ctx: int, steps: int, profile: bool) -> d
     if prof:
         prof.disable()
     STOP()
-    out = {"case": f"engine:{kind}", "context": ctx, "step_ms": wall * 1e3, "steps": n}
+    out = {"case": f"engine:{kind}", "context": ctx, "rows": rows, "step_ms": wall * 1e3, "steps": n,
+           "peak_gb": mx.get_peak_memory() / 1e9}
+    if rows > 1:  # the model alone on the engine's merged batch caches: what the engine adds to its step
+        out["model_on_batch"] = batch_loop(model, engine.runner.caches, rows, steps)
     if prof:
         text = io.StringIO()
         pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(22)
@@ -128,6 +169,7 @@ def main() -> None:
     ap.add_argument("--cases", default="model:mlx-lm,model:affine4-kernel,engine:full,engine:affine4-kernel")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--rows", type=int, default=1, help="engine cases: batch rows of `--context` tokens each")
     ap.add_argument("--cprofile", action="store_true", help="cProfile the engine cases (slower steps)")
     a = ap.parse_args()
     model, cfg = build_random_model(a.shape)
@@ -138,7 +180,7 @@ def main() -> None:
         where, kind = c.split(":")
         try:
             r = (model_case(model, cfg, kind, a.context, a.steps) if where == "model"
-                 else engine_case(model, cfg, kind, a.context, a.steps, a.cprofile))
+                 else engine_case(model, cfg, kind, a.context, a.steps, a.cprofile, a.rows))
         except Exception as e:  # noqa: BLE001 - a failing case is a result
             r = {"case": c, "error": f"{type(e).__name__}: {str(e)[:200]}"}
         print(json.dumps(r), flush=True)
