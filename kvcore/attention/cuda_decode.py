@@ -25,7 +25,6 @@ import mlx.core as mx
 from ..backend import Verdicts, backend_name, unpooled
 from ..cache.packed import per_step
 from ..cache.view import DENSE, ENCODED, Joint
-from ..codecs import CodecSpec
 from ..codecs.affine import AffineCodec
 from ..codecs.turbo import TurboCodec
 from .config import DEFAULT
@@ -48,6 +47,8 @@ from .cuda_launch import (
     PAGE,
     Plan,
     Side,
+    describe,
+    spec_side,
     token_bounds,
 )
 from .cuda_mma import form_for, mma_fits
@@ -388,23 +389,8 @@ def status() -> dict:
     return {describe(p, dt): why for (p, dt), why in _VERDICTS.items()}
 
 
-def describe(plan: Plan, q_dtype: str = "") -> str:
-    def side(s: Side) -> str:
-        return s.dtype if s.kind == "dense" else f"{s.kind}{s.bits}" + (f"/g{s.group}" if s.kind == "affine" else "")
-
-    return (f"K {side(plan.key)} d{plan.key.dim} V {side(plan.value)} d{plan.value.dim} rep{plan.rep} "
-            f"n{plan.n_queries}" + (f" q {q_dtype}" if q_dtype else ""))
-
-
 def applies(q: mx.array, key_codec, value_codec) -> bool:
     """Whether the kernel reads these codecs here, outside a rotated basis (CUDA only)."""
     if backend_name() != "cuda" or q.shape[2] > MAX_QUERIES:
         return False
     return all(c is not None and _codec_side(c, c.head_dim, False) is not None for c in (key_codec, value_codec))
-
-
-def spec_side(spec: CodecSpec, dim: int) -> Side:
-    """The side a codec spec is stored as (for scripts that build plans)."""
-    if spec.name == "affine":
-        return Side("affine", spec.bits, spec.group_size or 64, dim)
-    return Side("turbo", spec.bits, dim, dim)

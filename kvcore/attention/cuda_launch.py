@@ -18,10 +18,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 from .cuda_mma import MMA_TILE, mma_fits, mma_smem, word_fits
 from .cuda_stage import Stages, stages
 from .cuda_turbo_mma import book_bytes
+
+if TYPE_CHECKING:
+    from ..codecs import CodecSpec
 
 THREADS = 128
 TILES = (128, 64, 32)  # tokens per tile (one token per thread in the score phase): the largest that fits
@@ -297,3 +301,19 @@ def token_bounds(q_start: int, n_queries: int, seg_start: int, seg_length: int, 
             lo = max(lo, q_start - lag + 1)
     shift = lambda x: x if x == -BIG else x - seg_start
     return shift(lo), hi - seg_start, seg_length
+
+
+def describe(plan: Plan, q_dtype: str = "") -> str:
+    """A plan (and query dtype) as the admission verdicts and the tests name it."""
+    def side(s: Side) -> str:
+        return s.dtype if s.kind == "dense" else f"{s.kind}{s.bits}" + (f"/g{s.group}" if s.kind == "affine" else "")
+
+    return (f"K {side(plan.key)} d{plan.key.dim} V {side(plan.value)} d{plan.value.dim} rep{plan.rep} "
+            f"n{plan.n_queries}" + (f" q {q_dtype}" if q_dtype else ""))
+
+
+def spec_side(spec: CodecSpec, dim: int) -> Side:
+    """The side a codec spec is stored as (for scripts that build plans)."""
+    if spec.name == "affine":
+        return Side("affine", spec.bits, spec.group_size or 64, dim)
+    return Side("turbo", spec.bits, dim, dim)
