@@ -10,15 +10,15 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 TAIL_LINES=8 source scripts/gpu_steps.sh
 NCU=/usr/local/cuda/bin/ncu
-step plain 130 python3 scripts/gpu_trace_step.py --context 8192 --rows 16 --steps 24 \
+step plain 110 python3 scripts/gpu_trace_step.py --context 8192 --rows 16 --steps 24 \
   --cases engine:full,engine:affine4-kernel
 for kind in full affine4-kernel; do
-  step "ncu-$kind" 110 "$NCU" --profile-from-start off --clock-control none --metrics gpu__time_duration.sum --csv \
+  step "ncu-$kind" 100 "$NCU" --profile-from-start off --clock-control none --metrics gpu__time_duration.sum --csv \
     python3 scripts/gpu_trace_step.py --context 8192 --rows 16 --steps 2 --cases "engine:$kind"
   python3 scripts/ncu_step_summary.py "$RES/ncu-$kind.log" --steps 2 --top 16 --label "16 x 8k engine:$kind" \
     | tee "$RES/ncu-$kind-summary.txt"; pack
 done
-step p8-trace 100 python3 scripts/gpu_prefill_memory.py --p8-only --contexts 131072 --trace
-step bench16 150 python3 scripts/gpu_bench.py --contexts 8192,-8192 --no-prefill --repeats 1 --budget-s 130 \
+step p8-trace 90 python3 scripts/gpu_prefill_memory.py --p8-only --contexts 131072 --trace
+step bench16 100 python3 scripts/gpu_bench.py --contexts 8192,-8192 --no-prefill --repeats 1 --budget-s 80 \
   --only mlxkv/full/False,mlxkv/affine:4/True --output "$RES/h200-llama-8b-run20d.json"
 exit 0
