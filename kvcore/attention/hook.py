@@ -22,6 +22,7 @@ from ..cache.packed import PackedView
 from ..cache.paged import PagedView
 from ..cache.view import BatchKVView, KVView
 from ..errors import MlxkvError
+from . import dense_fold
 from .blockwise import batch_kv_attention, kv_attention, packed_attention
 from .config import AttentionStats
 from .paged import paged_attention
@@ -45,6 +46,8 @@ def _sdpa(queries, keys, values, cache, scale, mask, sinks=None):
     stats = getattr(cache, "stats", None)
     if isinstance(stats, AttentionStats):
         stats.dense_calls += 1
+    if dense_fold.applies(queries, keys, mask, sinks):
+        return dense_fold.attention(queries, keys, values, scale, mask)
     return _ORIGINAL(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
 
 

@@ -186,7 +186,8 @@ def build_caches(model: nn.Module, policy: KVPolicy, attention: AttentionConfig 
                  stats: AttentionStats | None = None) -> tuple[list, list[LayerPlan]]:
     """The model's cache list under `policy`, and the per-layer plan it follows.
 
-    With nothing to compress and no window, mlx-lm's own caches are returned unchanged.
+    With nothing to compress and no window, mlx-lm's own caches are returned unchanged (the model is bound all
+    the same: batch rows of those caches decode through `attention.dense_fold` on CUDA).
     Otherwise every attention layer gets a CompressedKVCache (full-precision layers too), so
     masks and layouts agree across layers of one kind. With `policy.rollback` set (speculative
     decoding), mlxkv caches are used even when nothing is compressed (rollback is row-local)
@@ -197,6 +198,7 @@ def build_caches(model: nn.Module, policy: KVPolicy, attention: AttentionConfig 
     template = _template(model)
     plans = plan_layers(model, policy)
     if not policy.active:
+        bind(model, required=False)  # dense batch rows' decode folds its query heads there (attention/dense_fold.py)
         return template, plans
     bind(model)
     stats = stats if stats is not None else AttentionStats()

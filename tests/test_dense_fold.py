@@ -1,0 +1,59 @@
+"""Full-precision batch decode with the query heads of a KV head folded into the query length
+(kvcore/attention/dense_fold.py): the same attention as MLX's one-query call, masked or not, and the
+same tokens as each row alone when the engine's batch takes it."""
+
+import mlx.core as mx
+import pytest
+
+from kvcore.attention import dense_fold
+from kvcore.policy import KVOptions, build_caches, resolve_policy
+from kvcore.engine import generate_one
+from test_dense_batch import llama, run_watching  # noqa: F401 - the module's model fixture
+
+from kvcore.engine import Request
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("B,Hq,Hkv,L", [(3, 8, 2, 37), (2, 32, 8, 300), (4, 4, 1, 64)])
+def test_fold_is_the_same_attention(masked, B, Hq, Hkv, L):
+    D = 64
+    k0, k1, k2 = mx.random.split(mx.random.key(B * L), 3)
+    q = mx.random.normal((B, Hq, 1, D), key=k0)
+    keys = mx.random.normal((B, Hkv, L + 9, D), key=k1)[:, :, :L]  # a slice of a larger buffer, as caches hand it
+    values = mx.random.normal((B, Hkv, L + 9, D), key=k2)[:, :, :L]
+    mask = None
+    if masked:  # a padded batch's left padding: row b sees columns [b, L)
+        mask = mx.arange(L)[None, None, None, :] >= mx.arange(B)[:, None, None, None]
+    assert dense_fold.applies(q, keys, mask, None) is False or True  # decided by backend; the math is tested below
+    ref = mx.fast.scaled_dot_product_attention(q, keys, values, scale=D ** -0.5, mask=mask)
+    out = dense_fold.attention(q, keys, values, D ** -0.5, mask)
+    assert out.shape == ref.shape
+    assert mx.abs(out - ref).max().item() < 1e-5
+
+
+def test_fold_declines_what_it_does_not_cover():
+    q = mx.zeros((2, 8, 1, 16))
+    k = mx.zeros((2, 2, 10, 16))
+    assert not dense_fold.applies(mx.zeros((2, 8, 3, 16)), k, None, None)  # several queries a row
+    assert not dense_fold.applies(mx.zeros((2, 2, 1, 16)), k, None, None)  # no grouped heads
+    assert not dense_fold.applies(q, k, "causal", None)
+    assert not dense_fold.applies(q, k, None, mx.zeros((8,)))  # sinks
+    assert not dense_fold.applies(q, k, mx.zeros((2, 8, 1, 10), mx.bool_), None)  # a mask per query head
+
+
+def test_batched_rows_through_the_fold_match_rows_alone(llama, monkeypatch):
+    model, tok = llama
+    monkeypatch.setenv("MLXKV_DENSE_FOLD", "1")
+    calls = []
+    fold = dense_fold.attention
+    monkeypatch.setattr(dense_fold, "attention", lambda *a: calls.append(a[0].shape) or fold(*a))
+    policy = resolve_policy(KVOptions())
+    reqs = [Request(tuple(3 + (7 * i + j) % 200 for j in range(12)), 10, str(i)) for i in range(3)]
+    reqs.append(Request(tuple(range(3, 20)), 6, "long"))  # joins with another length: the array mask
+    monkeypatch.setenv("MLXKV_DENSE_FOLD", "0")
+    alone = [generate_one(model, tok, r, build_caches(model, policy)[0]).token_ids for r in reqs]
+    assert not calls
+    monkeypatch.setenv("MLXKV_DENSE_FOLD", "1")
+    out, seen = run_watching(model, tok, policy, 4, reqs)
+    assert [c.token_ids for c in out] == alone
+    assert (4, True) in seen and any(s[0] == 4 for s in calls)  # the padded batch of 4 went through the fold
