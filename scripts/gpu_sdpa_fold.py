@@ -41,7 +41,7 @@ def case(spec: str, reps: int) -> dict:
     mask = (mx.arange(L)[None, None, None, :] >= (mx.arange(B) * 64)[:, None, None, None]) if masked else None
     s = D ** -0.5
     plain = lambda: mx.fast.scaled_dot_product_attention(q, ks, vs, scale=s, mask=mask)
-    fold = lambda: dense_fold.attention(q, ks, vs, s, mask)
+    fold = lambda: dense_fold.attention(q, ks, vs, s, mask)  # the call itself, whatever MLXKV_DENSE_FOLD says
     diff = mx.abs(plain().astype(mx.float32) - fold().astype(mx.float32)).max().item()
     tp, tf = timed(plain, reps), timed(fold, reps)
     kv = 2 * B * HKV * L * D * 2

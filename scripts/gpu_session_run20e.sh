@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Run 20's fifth call (about 2 minutes): full-precision batch decode with the query heads folded into the query
 # length (attention/dense_fold.py) against MLX's one-query kernel: the call alone, then the engine's 16 x 8k step
-# with the fold (the CUDA default for batch rows) and without (MLXKV_DENSE_FOLD=0).
+# with the fold (MLXKV_DENSE_FOLD=1, opt-in until this A/B) and without.
 #   source /var/tmp/mlxw/gpu-env.sh && OUT=/some/folder bash scripts/gpu_session_run20e.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 TAIL_LINES=8 source scripts/gpu_steps.sh
 step micro 50 python3 scripts/gpu_sdpa_fold.py
-step engine-fold 60 python3 scripts/gpu_trace_step.py --context 8192 --rows 16 --steps 24 --cases engine:full
+step engine-fold 60 env MLXKV_DENSE_FOLD=1 python3 scripts/gpu_trace_step.py --context 8192 --rows 16 --steps 24 --cases engine:full
 step engine-nofold 60 env MLXKV_DENSE_FOLD=0 python3 scripts/gpu_trace_step.py --context 8192 --rows 16 --steps 24 \
   --cases engine:full
 exit 0

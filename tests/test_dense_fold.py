@@ -6,6 +6,7 @@ import mlx.core as mx
 import pytest
 
 from kvcore.attention import dense_fold
+from kvcore.backend import backend_name
 from kvcore.policy import KVOptions, build_caches, resolve_policy
 from kvcore.engine import generate_one
 from test_dense_batch import llama, run_watching  # noqa: F401 - the module's model fixture
@@ -24,14 +25,14 @@ def test_fold_is_the_same_attention(masked, B, Hq, Hkv, L):
     mask = None
     if masked:  # a padded batch's left padding: row b sees columns [b, L)
         mask = mx.arange(L)[None, None, None, :] >= mx.arange(B)[:, None, None, None]
-    assert dense_fold.applies(q, keys, mask, None) is False or True  # decided by backend; the math is tested below
     ref = mx.fast.scaled_dot_product_attention(q, keys, values, scale=D ** -0.5, mask=mask)
     out = dense_fold.attention(q, keys, values, D ** -0.5, mask)
     assert out.shape == ref.shape
     assert mx.abs(out - ref).max().item() < 1e-5
 
 
-def test_fold_declines_what_it_does_not_cover():
+def test_fold_declines_what_it_does_not_cover(monkeypatch):
+    monkeypatch.setenv("MLXKV_DENSE_FOLD", "force")
     q = mx.zeros((2, 8, 1, 16))
     k = mx.zeros((2, 2, 10, 16))
     assert not dense_fold.applies(mx.zeros((2, 8, 3, 16)), k, None, None)  # several queries a row
@@ -39,11 +40,16 @@ def test_fold_declines_what_it_does_not_cover():
     assert not dense_fold.applies(q, k, "causal", None)
     assert not dense_fold.applies(q, k, None, mx.zeros((8,)))  # sinks
     assert not dense_fold.applies(q, k, mx.zeros((2, 8, 1, 10), mx.bool_), None)  # a mask per query head
+    assert dense_fold.applies(q, k, None, None)
+    monkeypatch.setenv("MLXKV_DENSE_FOLD", "1")  # batch rows on CUDA only
+    assert dense_fold.applies(q, k, None, None) is (backend_name() == "cuda")
+    assert not dense_fold.applies(q[:1], k[:1], None, None)
+    monkeypatch.delenv("MLXKV_DENSE_FOLD")
+    assert not dense_fold.applies(q, k, None, None)  # opt-in until timed on the device
 
 
 def test_batched_rows_through_the_fold_match_rows_alone(llama, monkeypatch):
     model, tok = llama
-    monkeypatch.setenv("MLXKV_DENSE_FOLD", "1")
     calls = []
     fold = dense_fold.attention
     monkeypatch.setattr(dense_fold, "attention", lambda *a: calls.append(a[0].shape) or fold(*a))
@@ -53,7 +59,7 @@ def test_batched_rows_through_the_fold_match_rows_alone(llama, monkeypatch):
     monkeypatch.setenv("MLXKV_DENSE_FOLD", "0")
     alone = [generate_one(model, tok, r, build_caches(model, policy)[0]).token_ids for r in reqs]
     assert not calls
-    monkeypatch.setenv("MLXKV_DENSE_FOLD", "1")
+    monkeypatch.setenv("MLXKV_DENSE_FOLD", "force")
     out, seen = run_watching(model, tok, policy, 4, reqs)
     assert [c.token_ids for c in out] == alone
     assert (4, True) in seen and any(s[0] == 4 for s in calls)  # the padded batch of 4 went through the fold

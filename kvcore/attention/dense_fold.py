@@ -6,8 +6,9 @@ Run 20d on the H200 (llama-8b, 16 rows x 8k, bf16): MLX's one-query kernel (`sdp
 layer for 537 MB of K/V (0.9 TB/s) and 19.1 of a 25.7 ms step; it serves each query head on its own. A
 decode query attends to every key the cache holds, so the fold is the same attention (each query row's
 softmax is over the same keys; a padded batch's (B, 1, 1, L) mask broadcasts over the folded rows).
-CUDA only, batch rows only (one row: MLX's kernel reads 2.85 TB/s at 32k), chosen by `applies`;
-MLXKV_DENSE_FOLD=0 / 1 forces it off / on (the device A/B).
+Opt-in until the device A/B (`scripts/gpu_session_run20e.sh`) has timed it: MLXKV_DENSE_FOLD=1 folds batch rows
+on CUDA (one row stays on MLX's kernel: 2.85 TB/s at 32k), MLXKV_DENSE_FOLD=force on any backend and any rows
+(tests), unset or 0: never.
 """
 
 from __future__ import annotations
@@ -17,23 +18,24 @@ import os
 import mlx.core as mx
 
 
-def _forced() -> bool | None:
-    v = os.environ.get("MLXKV_DENSE_FOLD", "")
-    return None if v not in ("0", "1") else v == "1"
+def _setting() -> str:
+    return os.environ.get("MLXKV_DENSE_FOLD", "0")
 
 
 def applies(queries: mx.array, keys: mx.array, mask, sinks) -> bool:
     """Whether this dense call folds: one query per row, grouped query heads, no sinks, a mask that is None or
-    an array that broadcasts over query heads; on CUDA with batch rows unless MLXKV_DENSE_FOLD says otherwise."""
+    an array that broadcasts over query heads; batch rows on CUDA with MLXKV_DENSE_FOLD=1 (`force`: anywhere)."""
     B, Hq, N, _ = queries.shape
     Hkv = keys.shape[1]
     if N != 1 or Hq == Hkv or Hq % Hkv or sinks is not None or isinstance(mask, str):
         return False
     if mask is not None and (mask.ndim != 4 or mask.shape[1] != 1 or mask.shape[2] != 1):
         return False
-    forced = _forced()
-    if forced is not None:
-        return forced
+    setting = _setting()
+    if setting == "force":
+        return True
+    if setting != "1":
+        return False
     from ..backend import backend_name
 
     return B > 1 and backend_name() == "cuda"
