@@ -134,11 +134,18 @@ def engine_case(model, cfg, kind: str, ctx: int, steps: int, profile: bool, rows
     mx.reset_peak_memory()  # from here: the rows' merge and the steps (the filled caches already held)
     for i in range(rows):
         engine.add_request(Request((11 + i,), 2 * steps + 24, str(i)))
-    done = 0
+    done, jumps, last = 0, [], mx.get_peak_memory()
     while engine.has_work and done < 10:
         engine.step()
         done += engine.trace[-1][0] == "decode" if engine.trace else 0
+        if rows > 1:  # which warm-up step raised the peak (a join's merge, a decode step's buffer growth)
+            mx.synchronize()
+            if mx.get_peak_memory() - last > 2**28:
+                jumps.append((engine.trace[-1][0], len(engine.running),
+                              round(mx.get_peak_memory() / 1e9, 2)))
+            last = mx.get_peak_memory()
     mx.synchronize()
+    warm_peak = mx.get_peak_memory()
     prof = cProfile.Profile() if profile else None
     START()
     if prof:
@@ -153,7 +160,9 @@ def engine_case(model, cfg, kind: str, ctx: int, steps: int, profile: bool, rows
         prof.disable()
     STOP()
     out = {"case": f"engine:{kind}", "context": ctx, "rows": rows, "step_ms": wall * 1e3, "steps": n,
-           "peak_gb": mx.get_peak_memory() / 1e9}
+           "peak_gb": mx.get_peak_memory() / 1e9, "warm_peak_gb": warm_peak / 1e9, "active_gb": mx.get_active_memory() / 1e9}
+    if rows > 1:
+        out["peak_jumps"] = jumps  # (step kind, running rows, peak GB) where the peak rose by > 256 MiB
     if rows > 1:  # the model alone on the engine's merged batch caches: what the engine adds to its step
         out["model_on_batch"] = batch_loop(model, engine.runner.caches, rows, steps)
     if prof:
