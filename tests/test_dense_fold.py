@@ -7,6 +7,8 @@ import pytest
 
 from kvcore.attention import dense_fold
 from kvcore.backend import backend_name
+from kvcore.cache.dense_batch import DenseBatchKVCache
+from mlx_lm.models.cache import KVCache
 from kvcore.policy import KVOptions, build_caches, resolve_policy
 from kvcore.engine import generate_one
 from test_dense_batch import llama, run_watching  # noqa: F401 - the module's model fixture
@@ -41,13 +43,14 @@ def test_fold_declines_what_it_does_not_cover(monkeypatch):
     assert not dense_fold.applies(q, k, None, mx.zeros((8,)))  # sinks
     assert not dense_fold.applies(q, k, mx.zeros((2, 8, 1, 10), mx.bool_), None)  # a mask per query head
     assert dense_fold.applies(q, k, None, None)
-    monkeypatch.setenv("MLXKV_DENSE_FOLD", "1")  # batch rows on CUDA only
-    assert dense_fold.applies(q, k, None, None) is (backend_name() == "cuda")
-    assert not dense_fold.applies(q[:1], k[:1], None, None)
-    monkeypatch.delenv("MLXKV_DENSE_FOLD")
-    assert not dense_fold.applies(q, k, None, None)  # opt-in until timed on the device
+    batch = DenseBatchKVCache([0, 0])
+    for setting, on in (("1", backend_name() in ("cpu", "cuda")), ("", backend_name() == "cpu"), ("0", False)):
+        monkeypatch.setenv("MLXKV_DENSE_FOLD", setting)
+        assert dense_fold.applies(q, k, None, None, batch) is on, setting
+        assert not dense_fold.applies(q, k, None, None, KVCache())  # a lone row / mlx-lm's cache: mlx-lm's call
 
 
+@pytest.mark.skipif(backend_name() == "metal", reason="the fold is off on Metal")
 def test_batched_rows_through_the_fold_match_rows_alone(llama, monkeypatch):
     model, tok = llama
     calls = []
@@ -59,7 +62,7 @@ def test_batched_rows_through_the_fold_match_rows_alone(llama, monkeypatch):
     monkeypatch.setenv("MLXKV_DENSE_FOLD", "0")
     alone = [generate_one(model, tok, r, build_caches(model, policy)[0]).token_ids for r in reqs]
     assert not calls
-    monkeypatch.setenv("MLXKV_DENSE_FOLD", "force")
+    monkeypatch.setenv("MLXKV_DENSE_FOLD", "1")  # the CPU's default; CUDA's opt-in
     out, seen = run_watching(model, tok, policy, 4, reqs)
     assert [c.token_ids for c in out] == alone
     assert (4, True) in seen and any(s[0] == 4 for s in calls)  # the padded batch of 4 went through the fold

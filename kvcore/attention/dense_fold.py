@@ -6,9 +6,11 @@ Run 20d on the H200 (llama-8b, 16 rows x 8k, bf16): MLX's one-query kernel (`sdp
 layer for 537 MB of K/V (0.9 TB/s) and 19.1 of a 25.7 ms step; it serves each query head on its own. A
 decode query attends to every key the cache holds, so the fold is the same attention (each query row's
 softmax is over the same keys; a padded batch's (B, 1, 1, L) mask broadcasts over the folded rows).
-Opt-in until the device A/B (`scripts/gpu_session_run20e.sh`) has timed it: MLXKV_DENSE_FOLD=1 folds batch rows
-on CUDA (one row stays on MLX's kernel: 2.85 TB/s at 32k), MLXKV_DENSE_FOLD=force on any backend and any rows
-(tests), unset or 0: never.
+Where it runs (`applies`): the engine's batch rows only (`DenseBatchKVCache`; a lone row and mlx-lm's own
+caches keep mlx-lm's call). On the CPU always: MLX 0.32.4 on this machine, 1.4-2.1x faster for the call and bit
+for bit the same output (float32, float16, bf16; 1-16 rows; BENCHMARKS.md). On CUDA with MLXKV_DENSE_FOLD=1 until
+`scripts/gpu_session_run20e.sh` has timed it there. Not on Metal: not measured against MLX's kernel there.
+MLXKV_DENSE_FOLD=0: never; `force`: every backend, cache and row count (tests).
 """
 
 from __future__ import annotations
@@ -17,28 +19,32 @@ import os
 
 import mlx.core as mx
 
+from ..cache.dense_batch import DenseBatchKVCache
+
 
 def _setting() -> str:
-    return os.environ.get("MLXKV_DENSE_FOLD", "0")
+    return os.environ.get("MLXKV_DENSE_FOLD", "")
 
 
-def applies(queries: mx.array, keys: mx.array, mask, sinks) -> bool:
-    """Whether this dense call folds: one query per row, grouped query heads, no sinks, a mask that is None or
-    an array that broadcasts over query heads; batch rows on CUDA with MLXKV_DENSE_FOLD=1 (`force`: anywhere)."""
+def applies(queries: mx.array, keys: mx.array, mask, sinks, cache=None) -> bool:
+    """Whether this dense call folds: the engine's batch rows (`DenseBatchKVCache`: mlx-lm's own caches, a lone
+    row's or a baseline's, keep mlx-lm's call), one query per row, grouped query heads, no sinks, a mask that is
+    None or an array that broadcasts over query heads; where it is measured to win (the module's docstring)."""
+    setting = _setting()
+    if setting != "force" and not isinstance(cache, DenseBatchKVCache):
+        return False
     B, Hq, N, _ = queries.shape
     Hkv = keys.shape[1]
     if N != 1 or Hq == Hkv or Hq % Hkv or sinks is not None or isinstance(mask, str):
         return False
     if mask is not None and (mask.ndim != 4 or mask.shape[1] != 1 or mask.shape[2] != 1):
         return False
-    setting = _setting()
-    if setting == "force":
-        return True
-    if setting != "1":
-        return False
+    if setting in ("force", "0"):
+        return setting == "force"
     from ..backend import backend_name
 
-    return B > 1 and backend_name() == "cuda"
+    backend = backend_name()
+    return backend == "cpu" or (backend == "cuda" and setting == "1")
 
 
 def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask) -> mx.array:

@@ -46,7 +46,7 @@ def _sdpa(queries, keys, values, cache, scale, mask, sinks=None):
     stats = getattr(cache, "stats", None)
     if isinstance(stats, AttentionStats):
         stats.dense_calls += 1
-    if dense_fold.applies(queries, keys, mask, sinks):
+    if dense_fold.applies(queries, keys, mask, sinks, cache):
         return dense_fold.attention(queries, keys, values, scale, mask)
     return _ORIGINAL(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
 
