@@ -66,3 +66,34 @@ def test_batched_rows_through_the_fold_match_rows_alone(llama, monkeypatch):
     out, seen = run_watching(model, tok, policy, 4, reqs)
     assert [c.token_ids for c in out] == alone
     assert (4, True) in seen and any(s[0] == 4 for s in calls)  # the padded batch of 4 went through the fold
+
+
+@pytest.mark.parametrize("lengths", [(30, 30), (5, 30)], ids=["uniform", "padded"])
+def test_packed_rows_decoded_to_dense_fold_and_match_each_row(monkeypatch, lengths):
+    """kvcore's own dense decode call (packed rows, portable path): through the fold where it runs, the same
+    output as each row's own attention against the float32 reference."""
+    from kvcore.attention import blockwise
+    from kvcore.attention.config import AttentionConfig
+    from kvcore.cache import BatchCompressedKVCache, CompressedKVCache
+    from kvcore.codecs import CodecSpec
+
+    monkeypatch.setenv("MLXKV_DENSE_FOLD", "force")
+    calls = []
+    fold = dense_fold.attention
+    monkeypatch.setattr(dense_fold, "attention", lambda *a: calls.append(1) or fold(*a))
+    mx.random.seed(3)
+    cfg = AttentionConfig(qmm=False, cuda_kernel=False, paged=False)
+    rows = []
+    for n in lengths:
+        c = CompressedKVCache(CodecSpec("affine", 4, 32), start=0, attention=cfg)
+        c.update_and_fetch(mx.random.normal((1, 2, n, 64)), mx.random.normal((1, 2, n, 64)))
+        rows.append(c)
+    batch = BatchCompressedKVCache(rows)
+    view, _ = batch.update_and_fetch(mx.random.normal((2, 2, 1, 64)), mx.random.normal((2, 2, 1, 64)))
+    q = mx.random.normal((2, 6, 1, 64))
+    out = blockwise.packed_attention(q, view, 0.125, None, cfg)
+    assert calls
+    k, v = view.dense(0, view.length, q.dtype)
+    mask = view.visible(0, view.length)
+    ref = blockwise.reference_attention(q, k, v, 0.125, None if view.uniform else mask)
+    assert mx.allclose(out, ref, atol=2e-5, rtol=1e-4).item()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..cache.view import ENCODED, SHADOW, KVView
-from . import cuda_decode, prefill, qmm
+from . import cuda_decode, dense_fold, prefill, qmm
 from .config import DEFAULT, AttentionConfig, AttentionStats
 
 NEG = -1e30
@@ -167,7 +167,7 @@ def packed_attention(q: mx.array, view, scale: float, sinks: mx.array | None = N
         k, v = view.dense(0, L, q.dtype)
         # rows of one length need no array mask (which would cost the fused kernel on CUDA)
         mask = (None if view.n_queries == 1 else "causal") if view.uniform else view.visible(0, L)
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
+        return dense_fold.sdpa(q, k, v, scale, mask, sinks)
     _count(stats, "blockwise")
     block = cfg.block or max(256, cfg.block_bytes // (B * kv) // 128 * 128)
     blocks = ((*view.dense(lo, min(lo + block, L), q.dtype), view.visible(lo, min(lo + block, L)))
@@ -218,9 +218,7 @@ def _stacked_decode(q: mx.array, view, scale: float, sinks) -> mx.array:
         vals.append(v)
         masks.append(m)
     mask = mx.stack(masks)[:, None]  # (B, 1, 1, T)
-    return mx.fast.scaled_dot_product_attention(
-        q, mx.concatenate(keys), mx.concatenate(vals), scale=scale, mask=mask, sinks=sinks
-    )
+    return dense_fold.sdpa(q, mx.concatenate(keys), mx.concatenate(vals), scale, mask, sinks)
 
 
 def batch_kv_attention(q: mx.array, view, scale: float, sinks: mx.array | None = None,

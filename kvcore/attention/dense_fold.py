@@ -6,8 +6,8 @@ Run 20d on the H200 (llama-8b, 16 rows x 8k, bf16): MLX's one-query kernel (`sdp
 layer for 537 MB of K/V (0.9 TB/s) and 19.1 of a 25.7 ms step; it serves each query head on its own. A
 decode query attends to every key the cache holds, so the fold is the same attention (each query row's
 softmax is over the same keys; a padded batch's (B, 1, 1, L) mask broadcasts over the folded rows).
-Where it runs (`applies`): the engine's batch rows only (`DenseBatchKVCache`; a lone row and mlx-lm's own
-caches keep mlx-lm's call). On the CPU always: MLX 0.32.4 on this machine, 1.4-2.1x faster for the call and bit
+Where it runs: the engine's full-precision batch rows (`applies`, for the hook: `DenseBatchKVCache`; a lone row
+and mlx-lm's own caches keep mlx-lm's call) and kvcore's own decode calls over rows decoded to dense (`sdpa`). On the CPU always: MLX 0.32.4 on this machine, 1.4-2.1x faster for the call and bit
 for bit the same output (float32, float16, bf16; 1-16 rows; BENCHMARKS.md). On CUDA with MLXKV_DENSE_FOLD=1 until
 `scripts/gpu_session_run20e.sh` has timed it there. Not on Metal: not measured against MLX's kernel there.
 MLXKV_DENSE_FOLD=0: never; `force`: every backend, cache and row count (tests).
@@ -27,12 +27,17 @@ def _setting() -> str:
 
 
 def applies(queries: mx.array, keys: mx.array, mask, sinks, cache=None) -> bool:
-    """Whether this dense call folds: the engine's batch rows (`DenseBatchKVCache`: mlx-lm's own caches, a lone
-    row's or a baseline's, keep mlx-lm's call), one query per row, grouped query heads, no sinks, a mask that is
-    None or an array that broadcasts over query heads; where it is measured to win (the module's docstring)."""
-    setting = _setting()
-    if setting != "force" and not isinstance(cache, DenseBatchKVCache):
+    """Whether the hook's dense call folds: the engine's batch rows (`DenseBatchKVCache`: mlx-lm's own caches, a
+    lone row's or a baseline's, keep mlx-lm's call) where `folds` says so."""
+    if _setting() != "force" and not isinstance(cache, DenseBatchKVCache):
         return False
+    return folds(queries, keys, mask, sinks)
+
+
+def folds(queries: mx.array, keys: mx.array, mask, sinks) -> bool:
+    """Whether a decode call over dense K/V folds: one query per row, grouped query heads, no sinks, a mask that
+    is None or an array that broadcasts over query heads; where it is measured to win (the module's docstring)."""
+    setting = _setting()
     B, Hq, N, _ = queries.shape
     Hkv = keys.shape[1]
     if N != 1 or Hq == Hkv or Hq % Hkv or sinks is not None or isinstance(mask, str):
@@ -45,6 +50,14 @@ def applies(queries: mx.array, keys: mx.array, mask, sinks, cache=None) -> bool:
 
     backend = backend_name()
     return backend == "cpu" or (backend == "cuda" and setting == "1")
+
+
+def sdpa(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask=None, sinks=None) -> mx.array:
+    """mx.fast.scaled_dot_product_attention, folded where `folds` says so (kvcore's own dense decode calls:
+    packed and stacked batch rows decoded to dense)."""
+    if folds(queries, keys, mask, sinks):
+        return attention(queries, keys, values, scale, mask)
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
 
 
 def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask) -> mx.array:
