@@ -26,6 +26,7 @@ import numpy as np
 
 from ..backend import backend_name
 from ..cache.view import DENSE, ENCODED, KVView
+from . import dense_fold
 from .scratch import (
     CallBytes,
     CallShape,
@@ -112,7 +113,7 @@ def fused_attention(q: mx.array, view: KVView, scale: float, sinks, limit: int) 
     T = keys.shape[2]
     if plan.group >= N:
         mask = _positional_mask(view, 0, N, q) if plan.mask == "array" else plan.mask
-        return mx.fast.scaled_dot_product_attention(q, keys, vals, scale=scale, mask=mask, sinks=sinks)
+        return dense_fold.sdpa(q, keys, vals, scale, mask, sinks)  # a decode query folds where that runs
     outs = []
     for a in range(0, N, plan.group):
         b = min(a + plan.group, N)
