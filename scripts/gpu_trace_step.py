@@ -52,51 +52,22 @@ START, STOP = _profiler()
 
 def model_case(model, cfg, kind: str, ctx: int, steps: int) -> dict:
     caches = fill(caches_for(model, kind), ctx, cfg["num_key_value_heads"], cfg["head_dim"], mx.bfloat16)
-
-    def step(tok):
-        return mx.argmax(model(tok, cache=caches)[:, -1, :], axis=-1, keepdims=True)
-
-    y = mx.array([[11]])
-    for _ in range(6):
-        y = step(y)
-        mx.eval(y)
-    mx.synchronize()
-    START()
-    t0 = time.perf_counter()
-    y = step(y)
-    mx.async_eval(y)
-    for _ in range(steps):
-        nxt = step(y)
-        mx.async_eval(nxt)
-        y.item()
-        y = nxt
-    y.item()
-    piped = (time.perf_counter() - t0) / (steps + 1)
-    build = enc = wait = 0.0
-    for _ in range(max(steps // 2, 1)):
-        a = time.perf_counter()
-        y = step(y)
-        b = time.perf_counter()
-        mx.async_eval(y)
-        c = time.perf_counter()
-        y.item()
-        d = time.perf_counter()
-        build, enc, wait = build + b - a, enc + c - b, wait + d - c
-    STOP()
-    n = max(steps // 2, 1)  # --steps 1 (a profiler's capture): one sync step still timed
-    return {"case": f"model:{kind}", "context": ctx, "piped_ms": piped * 1e3, "sync_build_ms": build / n * 1e3,
-            "sync_encode_ms": enc / n * 1e3, "sync_wait_ms": wait / n * 1e3}
+    return {"case": f"model:{kind}", "context": ctx, **batch_loop(model, caches, 1, steps, warm=6, profiled=True)}
 
 
-def batch_loop(model, caches: list, rows: int, steps: int) -> dict:
-    """mlx-lm's pipelined loop (gpu_step_anatomy's) over caches of `rows` rows: ms per step, and the
-    synchronous step split into build / encode / wait."""
+def batch_loop(model, caches: list, rows: int, steps: int, warm: int = 1, profiled: bool = False) -> dict:
+    """mlx-lm's pipelined loop (gpu_step_anatomy's) over caches of `rows` rows after `warm` steps: ms per step,
+    and the synchronous step split into build / encode / wait (`profiled`: inside the profiler range)."""
     def step(tok):
         return mx.argmax(model(tok, cache=caches)[:, -1, :], axis=-1, keepdims=True)
 
     y = mx.full((rows, 1), 11, mx.int32)
-    y = step(y)
-    mx.eval(y)
+    for _ in range(warm):
+        y = step(y)
+        mx.eval(y)
+    mx.synchronize()
+    if profiled:
+        START()
     t0 = time.perf_counter()
     y = step(y)
     mx.async_eval(y)
@@ -108,7 +79,7 @@ def batch_loop(model, caches: list, rows: int, steps: int) -> dict:
     y.tolist()
     piped = (time.perf_counter() - t0) / (steps + 1)
     build = enc = wait = 0.0
-    n = max(steps // 2, 1)
+    n = max(steps // 2, 1)  # --steps 1 (a profiler's capture): one sync step still timed
     for _ in range(n):
         a = time.perf_counter()
         y = step(y)
@@ -118,6 +89,8 @@ def batch_loop(model, caches: list, rows: int, steps: int) -> dict:
         y.tolist()
         d = time.perf_counter()
         build, enc, wait = build + b - a, enc + c - b, wait + d - c
+    if profiled:
+        STOP()
     return {"piped_ms": piped * 1e3, "sync_build_ms": build / n * 1e3, "sync_encode_ms": enc / n * 1e3,
             "sync_wait_ms": wait / n * 1e3}
 
