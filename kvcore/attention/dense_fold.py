@@ -6,11 +6,13 @@ Run 20d on the H200 (llama-8b, 16 rows x 8k, bf16): MLX's one-query kernel (`sdp
 layer for 537 MB of K/V (0.9 TB/s) and 19.1 of a 25.7 ms step; it serves each query head on its own. A
 decode query attends to every key the cache holds, so the fold is the same attention (each query row's
 softmax is over the same keys; a padded batch's (B, 1, 1, L) mask broadcasts over the folded rows).
-Where it runs: the engine's full-precision batch rows (`applies`, for the hook: `DenseBatchKVCache`; a lone row
-and mlx-lm's own caches keep mlx-lm's call) and kvcore's own decode calls over rows decoded to dense (`sdpa`). On the CPU always: MLX 0.32.4 on this machine, 1.4-2.1x faster for the call and bit
-for bit the same output (float32, float16, bf16; 1-16 rows; BENCHMARKS.md). On CUDA with MLXKV_DENSE_FOLD=1 until
-`scripts/gpu_session_run20e.sh` has timed it there. Not on Metal: not measured against MLX's kernel there.
-MLXKV_DENSE_FOLD=0: never; `force`: every backend, cache and row count (tests).
+Where it runs: the engine's full-precision batch rows (`applies`, for the hook: `DenseBatchKVCache`; a lone
+row and mlx-lm's own caches keep mlx-lm's call) and kvcore's own decode calls over K/V decoded to dense (`sdpa`:
+packed and stacked batch rows, a row's portable fused call). On the CPU always: MLX 0.32.4 on this machine,
+1.4-2.1x faster for the call and bit for bit the same output (float32, float16, bf16; 1-16 rows;
+BENCHMARKS.md). On CUDA with MLXKV_DENSE_FOLD=1 until `scripts/gpu_session_run20e.sh` has timed it there (rows
+of one and of 16). Not on Metal: not measured against MLX's kernel there. MLXKV_DENSE_FOLD=0: never; `force`:
+every backend, cache and row count (tests).
 """
 
 from __future__ import annotations
@@ -53,8 +55,7 @@ def folds(queries: mx.array, keys: mx.array, mask, sinks) -> bool:
 
 
 def sdpa(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask=None, sinks=None) -> mx.array:
-    """mx.fast.scaled_dot_product_attention, folded where `folds` says so (kvcore's own dense decode calls:
-    packed and stacked batch rows decoded to dense)."""
+    """mx.fast.scaled_dot_product_attention, folded where `folds` says so (kvcore's own dense decode calls)."""
     if folds(queries, keys, mask, sinks):
         return attention(queries, keys, values, scale, mask)
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)

@@ -187,7 +187,7 @@ def build_caches(model: nn.Module, policy: KVPolicy, attention: AttentionConfig 
     """The model's cache list under `policy`, and the per-layer plan it follows.
 
     With nothing to compress and no window, mlx-lm's own caches are returned unchanged (the model is bound all
-    the same: batch rows of those caches decode through `attention.dense_fold` on CUDA).
+    the same: the engine's batch rows of those caches decode through `attention.dense_fold` where it runs).
     Otherwise every attention layer gets a CompressedKVCache (full-precision layers too), so
     masks and layouts agree across layers of one kind. With `policy.rollback` set (speculative
     decoding), mlxkv caches are used even when nothing is compressed (rollback is row-local)
