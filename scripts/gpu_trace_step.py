@@ -135,8 +135,9 @@ def engine_case(model, cfg, kind: str, ctx: int, steps: int, profile: bool, rows
     out = {"case": f"engine:{kind}", "context": ctx, "rows": rows, "step_ms": wall * 1e3, "steps": n,
            "peak_gb": mx.get_peak_memory() / 1e9, "warm_peak_gb": warm_peak / 1e9,
            "active_gb": mx.get_active_memory() / 1e9}
-    if rows > 1:  # (step kind, running rows, peak GB) where the peak rose by > 256 MiB; then the model alone on the engine's merged batch caches: what the engine adds to its step
-        out["peak_jumps"] = jumps
+    if rows > 1:
+        out["peak_jumps"] = jumps  # (step kind, running rows, peak GB) where the peak rose by > 256 MiB
+        # the model alone on the engine's merged batch caches: what the engine adds to its step
         out["model_on_batch"] = batch_loop(model, engine.runner.caches, rows, steps)
     if prof:
         text = io.StringIO()
