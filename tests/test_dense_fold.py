@@ -63,9 +63,11 @@ def test_batched_rows_through_the_fold_match_rows_alone(llama, monkeypatch):
     alone = [generate_one(model, tok, r, build_caches(model, policy)[0]).token_ids for r in reqs]
     assert not calls
     monkeypatch.setenv("MLXKV_DENSE_FOLD", "1")  # the CPU's default; CUDA's opt-in
-    out, seen = run_watching(model, tok, policy, 4, reqs)
+    out, seen, engine = run_watching(model, tok, policy, 4, reqs)
     assert [c.token_ids for c in out] == alone
     assert (4, True) in seen and any(s[0] == 4 for s in calls)  # the padded batch of 4 went through the fold
+    assert engine.attention_stats.folded == len(calls)  # counted where bench reports its path
+    assert engine.attention_stats.to_json()["path"] == "mlx-fast-sdpa-folded"
 
 
 @pytest.mark.parametrize("lengths", [(30, 30), (5, 30)], ids=["uniform", "padded"])

@@ -80,6 +80,7 @@ class AttentionStats:
 
     calls: dict = field(default_factory=dict)  # path -> calls ("fused", "blockwise", "qmm", "cuda-kernel", ...)
     dense_calls: int = 0
+    folded: int = 0  # dense batch-row calls that went through attention/dense_fold.py
 
     def record(self, path: str) -> None:
         self.calls[path] = self.calls.get(path, 0) + 1
@@ -90,10 +91,11 @@ class AttentionStats:
 
     @property
     def path(self) -> str:
-        """`mlx-fast-sdpa` when nothing compressed was read, else `mlxkv-<paths, most used first>`."""
+        """`mlx-fast-sdpa` when nothing compressed was read (`mlx-fast-sdpa-folded` where dense batch rows went
+        through the fold), else `mlxkv-<paths, most used first>`."""
         if not self.calls:
-            return "mlx-fast-sdpa"
+            return "mlx-fast-sdpa-folded" if self.folded else "mlx-fast-sdpa"
         return "mlxkv-" + "+".join(sorted(self.calls, key=lambda p: (-self.calls[p], p)))
 
     def to_json(self) -> dict:
-        return {"path": self.path, "calls": dict(self.calls)}
+        return {"path": self.path, "calls": dict(self.calls), **({"dense_folded": self.folded} if self.folded else {})}

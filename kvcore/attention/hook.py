@@ -47,6 +47,8 @@ def _sdpa(queries, keys, values, cache, scale, mask, sinks=None):
     if isinstance(stats, AttentionStats):
         stats.dense_calls += 1
     if dense_fold.applies(queries, keys, mask, sinks, cache):
+        if isinstance(stats, AttentionStats):
+            stats.folded += 1
         return dense_fold.attention(queries, keys, values, scale, mask)
     return _ORIGINAL(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
 

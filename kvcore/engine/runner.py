@@ -116,6 +116,8 @@ class Runner:
             for i, (a, b) in enumerate(zip(old, caches)):
                 merge = DenseBatchKVCache.merge if type(a) is KVCache else type(a).merge
                 self.caches.append(_settled(merge([a, b]), pair))
+                if isinstance(self.caches[-1], DenseBatchKVCache):
+                    self.caches[-1].stats = self.stats  # its calls count with the runner's (the fold's, dense)
                 old[i] = None
             self.ids = pair
         else:
