@@ -19,7 +19,9 @@ A lazy graph alone does not make the peak one layer's: MLX's graph walk runs ahe
 device, and what it has handed over stays allocated until done (CUDA: up to 10 committed
 command graphs keep every input alive, on an H200 up to 100 ops or 1 GB each; CPU: 10 tasks).
 `memory_limit(plan)` sets MLX's memory limit to the plan's peak for the run: past it, the walk
-waits for in-flight work before allocating more, so run-ahead never stacks layers' scratches.
+waits for in-flight work before allocating more, so run-ahead never stacks layers' scratches. On CUDA
+that wait only sees command graphs committed full, so inside the block each layer's attention also
+starts from a settled graph (`kvcore.attention.settle`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from .attention import settle
 from .attention.config import DEFAULT as DEFAULT_ATTENTION
 from .attention.config import AttentionConfig
 from .attention.prefill import default_scratch_bytes, plan_call
@@ -200,7 +203,8 @@ def memory_limit(plan: PrefillPlan | int):
     limit = plan_limit(plan) if isinstance(plan, PrefillPlan) else int(plan)
     old = mx.set_memory_limit(limit)
     try:
-        yield limit
+        with settle.bounded():  # CUDA: each layer's attention starts from a settled graph (attention/settle.py)
+            yield limit
     finally:
         mx.set_memory_limit(old)
 

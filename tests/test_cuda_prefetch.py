@@ -39,7 +39,7 @@ def test_where_the_prefetch_body_applies(monkeypatch):
     assert cuda_kernels._special(plan) == ("", 0, 0)
     monkeypatch.setenv("MLXKV_CUDA_PREFETCH", "1")
     assert cuda_kernels._special(plan) == ("prefetch", 1, 0)
-    assert cuda_kernels._special(Plan(a4, a4, 4, 1, False, 3)) == ("", 0, 0)  # form 1 only
+    assert cuda_kernels._special(Plan(a4, a4, 4, 1, False, 3))[0] == "form3"  # form 1 only
     a3 = Side("affine", 3, 64, 128)
     assert cuda_kernels._special(Plan(a3, a3, 4, 1, False, 1))[0] == "chunk"  # its own loop
     text = cuda_kernels.body(1, "prefetch", 1)

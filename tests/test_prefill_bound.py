@@ -98,3 +98,26 @@ def test_a_config_the_plan_cannot_read_leaves_the_prefill_unbounded(llama):
     out = generate_one(model, tok, Request(_prompt(3 * CHUNK, 200), 4, "r"), build_caches(model, policy)[0],
                        GenerateConfig(prefill_chunk=CHUNK, prefill_memory=memory))
     assert len(out.token_ids) == 4
+
+
+@pytest.mark.parametrize("mode", ["1", "auto", "0"])
+def test_a_bounded_prefill_settles_each_layer_and_gives_the_same_tokens(llama, limits, monkeypatch, mode):
+    """Inside the bound each attention call first evaluates the graph before it (`attention/settle.py`: MLX's
+    CUDA backend only waits on command graphs committed full, so an open graph held several layers); the
+    tokens are those of an unbounded run. `auto` settles on CUDA only, so not here; decode never settles."""
+    from kvcore.attention import settle
+
+    model, tok, cfg = llama
+    policy = resolve_policy(KVOptions(kv_bits=4, kv_group_size=32, quantized_kv_start=0))
+    req = Request(_prompt(4 * CHUNK + 5, cfg["vocab_size"]), 6, "r")
+    plain = generate_one(model, tok, req, build_caches(model, policy)[0], GenerateConfig(prefill_chunk=CHUNK))
+    limits.clear()
+    monkeypatch.setenv("MLXKV_LAYER_SYNC", mode)
+    before, unbounded = settle.settled(), _limit_now()
+    bounded = generate_one(model, tok, req, build_caches(model, policy)[0],
+                           GenerateConfig(prefill_chunk=CHUNK, prefill_memory=PrefillMemory(model, cfg, policy)))
+    assert bounded.token_ids == plain.token_ids
+    forwards = sum(1 for _, lim in limits if lim != unbounded)  # the prefill's forwards, all under the bound
+    expected = forwards * len(model.layers) if mode == "1" else 0
+    assert forwards >= 5 and settle.settled() - before == expected
+    assert sum(n for n, lim in limits if lim != unbounded) == len(req.prompt_ids)

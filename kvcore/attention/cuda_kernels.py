@@ -11,7 +11,7 @@ from functools import cache
 import mlx.core as mx
 
 from ..backend import paged
-from . import cuda_chunk_mma, cuda_form3, cuda_mma, cuda_prefetch, cuda_scaled, cuda_stage, cuda_turbo_mma
+from . import cuda_chunk_mma, cuda_form3, cuda_lean, cuda_mma, cuda_prefetch, cuda_scaled, cuda_stage, cuda_turbo_mma
 from . import cuda_source as src
 from .cuda_launch import PAGE, THREADS, Plan, Side
 
@@ -109,8 +109,11 @@ def _special(plan: Plan) -> tuple[str, int, int]:
     if int(plan.mma) == 1 and cuda_prefetch.enabled():  # the word body with its loads a tile ahead (opt-in)
         lvl = cuda_prefetch.level()
         return "prefetch", lvl, cuda_prefetch.distance() if lvl == 3 else 0
+    lean = int(cuda_lean.enabled())  # form 3's loop without its per-tile overheads (the default)
     if int(plan.mma) == 3 and cuda_scaled.enabled():  # form 3 on scaled codes (opt-in)
-        return "scaled", 0, 0
+        return "scaled", lean, 0
+    if int(plan.mma) == 3:
+        return "form3", lean, 0
     return "", 0, 0
 
 
@@ -124,8 +127,9 @@ def body(mma: int, special: str = "", key_dim: int = 0, value_dim: int = 0) -> s
         main = cuda_turbo_mma.body(value_dim)
     elif special == "chunk":
         main = cuda_chunk_mma.body(key_dim, value_dim)
-    elif special == "scaled":
-        main = cuda_scaled.body()
+    elif special in ("scaled", "form3"):  # key_dim: 1 for the lean loop (cuda_lean.py)
+        main = cuda_scaled.body() if special == "scaled" else cuda_form3.BODY
+        main = cuda_lean.lean(main) if key_dim else main
     elif special == "prefetch":  # key_dim: the level (1 keys, 2 keys and values, 3 L2); value_dim: L2's distance
         main = cuda_mma.PRELUDE + cuda_mma.QUERIES + cuda_prefetch.loop(key_dim, value_dim or 1) + cuda_mma.MERGE
     else:

@@ -22,7 +22,7 @@ from ..cache.packed import PackedView
 from ..cache.paged import PagedView
 from ..cache.view import BatchKVView, KVView
 from ..errors import MlxkvError
-from . import dense_fold
+from . import dense_fold, settle
 from .blockwise import batch_kv_attention, kv_attention, packed_attention
 from .config import AttentionStats
 from .paged import paged_attention
@@ -35,6 +35,7 @@ _SEEN = {"modules": -1}
 
 
 def _sdpa(queries, keys, values, cache, scale, mask, sinks=None):
+    settle.settle(queries)  # inside a bounded prefill on CUDA: the layers before this one finish first (settle.py)
     launch = getattr(keys, "launch", None)  # a steady compressed layer whose cache kept its kernel launch
     if launch is not None:
         out = launch(queries, keys, scale, sinks)
