@@ -10,8 +10,11 @@ Where it runs: the engine's full-precision batch rows (`applies`, for the hook: 
 row and mlx-lm's own caches keep mlx-lm's call) and kvcore's own decode calls over K/V decoded to dense (`sdpa`:
 packed and stacked batch rows, a row's portable fused call). On the CPU always: MLX 0.32.4 on this machine,
 1.4-2.1x faster for the call and bit for bit the same output (float32, float16, bf16; 1-16 rows;
-BENCHMARKS.md). On CUDA with MLXKV_DENSE_FOLD=1 until `scripts/gpu_session_run20e.sh` has timed it there (rows
-of one and of 16). Not on Metal: not measured against MLX's kernel there. MLXKV_DENSE_FOLD=0: never; `force`:
+BENCHMARKS.md). On CUDA only with MLXKV_DENSE_FOLD=1: run 20e timed it on the H200, and though the call alone
+ran 3.7x faster at 16 x 8k (one key length, timed over and over), the engine's 16 x 8k step took 69.4 ms against
+28.5 without it: MLX serves several queries with cuDNN, which builds a graph for every new key length, and a
+decode step's keys are one longer each step (host encode 77.6 ms a step against 15.1). One row and 4 x 32k were
+slower in the call alone too (0.26x, 0.68x). Not on Metal: not measured against MLX's kernel there. MLXKV_DENSE_FOLD=0: never; `force`:
 every backend, cache and row count (tests).
 """
 
