@@ -9,12 +9,8 @@ that did no work per tile go (`scripts/cuda_compile_check.py --forms 3`, NVRTC's
 - **rows that are not paged read their own row** as a constant (`pbt = PAGED ? pb_next : b`): with a loop
   variable there, ptxas recomputed each array's 64-bit row base every tile (18 uniform multiply-adds).
 - **the running outputs are rescaled only when a maximum moved**: `exp2f(m_old - m_new)` is exactly 1 when
-  no lane's maximum moved, and multiplying by 1 changes nothing, so the warp skips its two `exp2f` and its
-  NMB x 4 products (32 at 128 value dims) on tiles where no lane's maximum rose, which at long contexts is
-  most of them.
-- **tiles wholly inside every query's range skip the range tests**: where the warp's 16 tokens are below
-  `t_end`, `cnt` and `hi0` and at or above `lo0 + NQ - 1`, each score's mask is its query vector's `real`
-  alone (the same value the four-way test gives there); edge tiles keep the whole test.
+  no lane's maximum moved, and multiplying by 1 changes nothing, so the warp skips its NMB x 4 products
+  (32 at 128 value dims) on tiles where no lane's maximum rose, which at long contexts is most of them.
 """
 
 from __future__ import annotations
@@ -24,25 +20,6 @@ import os
 _RESCALE = "    for (int m = 0; m < NMB; m++) { acc[m][0] *= cr0; acc[m][1] *= cr1; acc[m][2] *= cr0; acc[m][3] *= cr1; }\n"
 _LOOP_START = "  for (int t0 = t_begin + 16 * warp; t0 < t_end; t0 += 16 * NWARP) {"
 _LOOP_END = "\n  float lq0 = l0"  # cuda_stage.PARTIALS follows the loop
-_MASK = """    const int j0 = t0 + g, j1 = t0 + 8 + g;
-    const bool lim0 = j0 < t_end, lim1 = j1 < t_end;
-    s[0] = real0 && lim0 && j0 >= lo0 + qn0 && j0 < min(hi0 + qn0, cnt) ? s[0] + s2[0] : NEG;
-    s[1] = real1 && lim0 && j0 >= lo0 + qn1 && j0 < min(hi0 + qn1, cnt) ? s[1] + s2[1] : NEG;
-    s[2] = real0 && lim1 && j1 >= lo0 + qn0 && j1 < min(hi0 + qn0, cnt) ? s[2] + s2[2] : NEG;
-    s[3] = real1 && lim1 && j1 >= lo0 + qn1 && j1 < min(hi0 + qn1, cnt) ? s[3] + s2[3] : NEG;
-"""
-_INNER = """    if (t0 + 16 <= t_in && t0 >= lo_in) {  // the whole tile counts for every query vector (warp-uniform)
-      s[0] = real0 ? s[0] + s2[0] : NEG;
-      s[1] = real1 ? s[1] + s2[1] : NEG;
-      s[2] = real0 ? s[2] + s2[2] : NEG;
-      s[3] = real1 ? s[3] + s2[3] : NEG;
-    } else {
-""" + _MASK + "    }\n"
-_CORR = "    const float cr0 = exp2f(m0 - mn0), cr1 = exp2f(m1 - mn1);\n"
-_LAZY = """    const bool moved = __any_sync(0xffffffffu, mn0 != m0 || mn1 != m1);  // exp2f(0) is 1: nothing to rescale
-    float cr0 = 1.f, cr1 = 1.f;
-    if (moved) { cr0 = exp2f(m0 - mn0); cr1 = exp2f(m1 - mn1); }
-"""
 
 
 def enabled() -> bool:
@@ -62,10 +39,9 @@ def lean(body: str) -> str:
     loop = _once(loop, "const int pbt = pb_next;", "const int pbt = PAGED ? pb_next : b;")
     loop = _once(loop, ", kvec);", ", VEC);")
     loop = _once(loop, ", vvec);", ", VEC);")
-    loop = _once(loop, _MASK, _INNER)
-    loop = _once(loop, _CORR, _LAZY)
-    loop = _once(loop, "#pragma unroll\n" + _RESCALE, "    if (moved) {\n#pragma unroll\n" + _RESCALE + "    }\n")
-    both = ("  const int t_in = min(t_end, min(hi0, cnt)), lo_in = lo0 + NQ - 1;  // tiles inside every query's range\n"
-            "  if (kvec && vvec) {\n  constexpr bool VEC = true;\n" + loop + "\n  } else {\n  constexpr bool VEC = false;\n"
+    loop = _once(loop, "#pragma unroll\n" + _RESCALE,
+                 "    if (__any_sync(0xffffffffu, cr0 != 1.f || cr1 != 1.f)) {  // a maximum moved\n#pragma unroll\n"
+                 + _RESCALE + "    }\n")
+    both = ("  if (kvec && vvec) {\n  constexpr bool VEC = true;\n" + loop + "\n  } else {\n  constexpr bool VEC = false;\n"
             + loop + "\n  }\n")
     return body[:start] + both + body[end:]
