@@ -14,8 +14,8 @@ BENCHMARKS.md). On CUDA only with MLXKV_DENSE_FOLD=1: run 20e timed it on the H2
 ran 3.7x faster at 16 x 8k (one key length, timed over and over), the engine's 16 x 8k step took 69.4 ms against
 28.5 without it: MLX serves several queries with cuDNN, which builds a graph for every new key length, and a
 decode step's keys are one longer each step (host encode 77.6 ms a step against 15.1). One row and 4 x 32k were
-slower in the call alone too (0.26x, 0.68x). Not on Metal: not measured against MLX's kernel there. MLXKV_DENSE_FOLD=0: never; `force`:
-every backend, cache and row count (tests).
+slower in the call alone too (0.26x, 0.68x). Not on Metal: not measured against MLX's kernel there.
+MLXKV_DENSE_FOLD=0: never; `force`: every backend, cache and row count (tests).
 """
 
 from __future__ import annotations
