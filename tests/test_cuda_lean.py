@@ -32,7 +32,7 @@ def test_the_lean_loop_is_form_3s_loop_twice_with_its_overheads_out():
     assert undone == body[body.index(cuda_lean._LOOP_START):body.index(cuda_lean._LOOP_END)]
     assert cuda_lean.lean(cuda_scaled.body()).count("deqs(") == 10  # the scaled variant's loop, twice
     with pytest.raises(AssertionError, match="cuda_lean"):
-        cuda_lean._once("nothing here", "const int pbt = pb_next;", "")
+        cuda_lean.lean(cuda_form3.BODY.replace("const int pbt = pb_next;", ""))
 
 
 def test_where_the_lean_loop_applies(monkeypatch):

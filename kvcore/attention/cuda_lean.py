@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import os
 
+from .cuda_source import rewrite
+
 _RESCALE = "    for (int m = 0; m < NMB; m++) { acc[m][0] *= cr0; acc[m][1] *= cr1; acc[m][2] *= cr0; acc[m][3] *= cr1; }\n"
 _LOOP_START = "  for (int t0 = t_begin + 16 * warp; t0 < t_end; t0 += 16 * NWARP) {"
 _LOOP_END = "\n  float lq0 = l0"  # cuda_stage.PARTIALS follows the loop
@@ -26,22 +28,15 @@ def enabled() -> bool:
     return os.environ.get("MLXKV_CUDA_LEAN", "1") != "0"
 
 
-def _once(text: str, old: str, new: str) -> str:
-    if text.count(old) != 1:  # a changed piece must fail here, not build form 3 under this name
-        raise AssertionError(f"cuda_lean: {old[:60]!r} is not once in the text it rewrites")
-    return text.replace(old, new)
-
-
 def lean(body: str) -> str:
     """A form-3 body (`cuda_form3.BODY`, or its scaled-code variant) with the loop's overheads taken out."""
     start, end = body.index(_LOOP_START), body.index(_LOOP_END)
-    loop = body[start:end]
-    loop = _once(loop, "const int pbt = pb_next;", "const int pbt = PAGED ? pb_next : b;")
-    loop = _once(loop, ", kvec);", ", VEC);")
-    loop = _once(loop, ", vvec);", ", VEC);")
-    loop = _once(loop, "#pragma unroll\n" + _RESCALE,
-                 "    if (__any_sync(0xffffffffu, cr0 != 1.f || cr1 != 1.f)) {  // a maximum moved\n#pragma unroll\n"
-                 + _RESCALE + "    }\n")
+    loop = rewrite(body[start:end], [  # each piece once: a changed one fails here, not builds form 3 under this name
+        ("const int pbt = pb_next;", "const int pbt = PAGED ? pb_next : b;"),
+        (", kvec);", ", VEC);"),
+        (", vvec);", ", VEC);"),
+        ("#pragma unroll\n" + _RESCALE, "    if (__any_sync(0xffffffffu, cr0 != 1.f || cr1 != 1.f)) {  // a maximum moved\n"
+                                        "#pragma unroll\n" + _RESCALE + "    }\n")], "cuda_lean")
     both = ("  if (kvec && vvec) {\n  constexpr bool VEC = true;\n" + loop + "\n  } else {\n  constexpr bool VEC = false;\n"
             + loop + "\n  }\n")
     return body[:start] + both + body[end:]

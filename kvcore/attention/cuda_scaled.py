@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 
 from . import cuda_form3, cuda_mma, cuda_stage
+from .cuda_source import rewrite
 
 HEADER = r"""
 // B-bit codes at bit p of both 16-bit halves of w -> half2 of S * (1 + c / 2^B) + Z (cuda_scaled.py)
@@ -68,20 +69,11 @@ def enabled() -> bool:
 
 
 def _swap(text: str, pairs: list[tuple[str, str]]) -> str:
-    for old, new in pairs:
-        if text.count(old) != 1:  # a changed piece must fail here, not time form 3 as this variant
-            raise AssertionError(f"cuda_scaled: {old!r} is not once in the piece it rewrites")
-        text = text.replace(old, new)
-    return text
+    return rewrite(text, pairs, "cuda_scaled")  # a changed piece must fail here, not time form 3 as this variant
 
 
 def body() -> str:
     """Form 3's body (cuda_form3.BODY) with its key and value products on scaled codes."""
     keys = _swap(cuda_stage.KEY_MMA, _KEY_SWAPS)
     values = _swap(cuda_mma.VALUES, _VALUE_SWAPS)
-    text = cuda_form3.BODY
-    for old, new in ((cuda_stage.KEY_MMA, keys), (cuda_mma.VALUES, values)):
-        if text.count(old) != 1:
-            raise AssertionError("cuda_scaled: form 3's body no longer holds the pieces it rewrites")
-        text = text.replace(old, new)
-    return text
+    return _swap(cuda_form3.BODY, [(cuda_stage.KEY_MMA, keys), (cuda_mma.VALUES, values)])

@@ -322,6 +322,16 @@ def kernel_name(prefix: str, *texts: str) -> str:
     return f"{prefix}_{digest}"
 
 
+def rewrite(text: str, pairs, owner: str) -> str:
+    """`text` with each (old, new) of `pairs` replaced, in order; every old piece must be in it exactly once, so a
+    changed piece fails here (AssertionError naming `owner`) rather than build another kernel under a variant's name."""
+    for old, new in pairs:
+        if text.count(old) != 1:
+            raise AssertionError(f"{owner}: {old[:60]!r} is not once in the text it rewrites")
+        text = text.replace(old, new)
+    return text
+
+
 def compact(text: str) -> str:
     """The text without comments, indentation or blank lines: MLX rebuilds and hashes the kernel
     source on every call, so a shorter one costs less host time per launch."""
