@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from kvcore.attention.config import AttentionConfig
 from kvcore.backend import CHECKS, backend_name, checks_since, versions
@@ -57,7 +57,7 @@ def emit(row: dict) -> None:
 def fill(caches: list, ctx: int, heads: int, head_dim: int, dtype, piece: int = 8192) -> list:
     """Random K/V for `ctx` tokens into every attention cache, a piece at a time per layer."""
     for c in caches:
-        if not isinstance(c, (KVCache, CompressedKVCache)):
+        if not isinstance(c, (KVCache, RotatingKVCache, CompressedKVCache)):  # windows too (gemma3's local layers)
             continue
         for lo in range(0, ctx, piece):
             n = min(piece, ctx - lo)

@@ -42,3 +42,53 @@ def run_watching(model, tok, policy, batch, reqs):
 
     engine._decode_step = spy
     return engine.run(reqs), seen, engine
+
+
+def _rows(lengths, H=2, D=8, dtype=None):
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    out = []
+    for i, n in enumerate(lengths):
+        c = KVCache()
+        if n:
+            k = mx.random.normal((1, H, n, D), key=mx.random.key(i))
+            c.update_and_fetch(k, k + 1)
+        out.append(c)
+    return out
+
+
+def _same(mine, theirs):
+    import mlx.core as mx
+
+    (k, v), (k2, v2) = mine.keys_and_values(), theirs.keys_and_values()
+    assert mine._idx == theirs._idx and k.shape == k2.shape
+    assert mx.array_equal(k, k2).item() and mx.array_equal(v, v2).item()
+    assert mine.left_padding.tolist() == theirs.left_padding.tolist()
+    assert mine.offset.tolist() == theirs.offset.tolist()
+    assert mine.keys.shape[2] % 256 == 0 and mine.values.shape[2] % 256 == 0  # whole steps (MLX's cuDNN decode)
+
+
+@pytest.mark.parametrize("lengths", [(5, 300, 17), (256, 256), (1,), (0, 40)])
+def test_buffers_hold_whole_steps_and_the_same_tokens(lengths):
+    """Merged, grown across a step, shrunk by a leaving row and joined: mlx-lm's tokens, in buffers of whole steps."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    mine, theirs = DenseBatchKVCache.merge(_rows(lengths)), BatchKVCache.merge(_rows(lengths))
+    _same(mine, theirs)
+    B = len(lengths)
+    for t in range(260):  # one token a row per step, past the next step boundary
+        k = mx.full((B, 2, 1, 8), float(t))
+        mine.update_and_fetch(k, -k)
+        theirs.update_and_fetch(k, -k)
+    _same(mine, theirs)
+    if B > 1:  # the longest row leaves: the others' left padding is dropped
+        keep = mx.array([i for i in range(B) if lengths[i] != max(lengths)] or [0])
+        mine.filter(keep)
+        theirs.filter(keep)
+        _same(mine, theirs)
+    join = _rows((700,))
+    mine.extend(DenseBatchKVCache.merge(join))
+    theirs.extend(BatchKVCache.merge(_rows((700,))))
+    _same(mine, theirs)

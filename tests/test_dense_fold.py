@@ -44,9 +44,13 @@ def test_fold_declines_what_it_does_not_cover(monkeypatch):
     assert not dense_fold.applies(q, k, mx.zeros((2, 8, 1, 10), mx.bool_), None)  # a mask per query head
     assert dense_fold.applies(q, k, None, None)
     batch = DenseBatchKVCache([0, 0])
-    for setting, on in (("1", backend_name() in ("cpu", "cuda")), ("", backend_name() == "cpu"), ("0", False)):
+    padded = mx.ones((2, 1, 1, 10), mx.bool_)
+    cpu, cuda = backend_name() == "cpu", backend_name() == "cuda"
+    # CUDA folds padded rows alone (an array mask) and only when asked: rows of one length take MLX's cuDNN decode
+    for setting, on, on_padded in (("1", cpu, cpu or cuda), ("", cpu, cpu), ("0", False, False)):
         monkeypatch.setenv("MLXKV_DENSE_FOLD", setting)
         assert dense_fold.applies(q, k, None, None, batch) is on, setting
+        assert dense_fold.applies(q, k, padded, None, batch) is on_padded, setting
         assert not dense_fold.applies(q, k, None, None, KVCache())  # a lone row / mlx-lm's cache: mlx-lm's call
 
 
@@ -99,3 +103,47 @@ def test_packed_rows_decoded_to_dense_fold_and_match_each_row(monkeypatch, lengt
     mask = view.visible(0, view.length)
     ref = blockwise.reference_attention(q, k, v, 0.125, None if view.uniform else mask)
     assert mx.allclose(out, ref, atol=2e-5, rtol=1e-4).item()
+
+
+@pytest.mark.parametrize("kind", ["none", "bool", "additive"])
+def test_fold_over_whole_buffers_is_the_same_attention(kind):
+    """The fold over a batch cache's whole buffers (CUDA's form: fixed shapes for 256 steps), the tail masked off,
+    equals MLX's call over the rows' own tokens."""
+    from mlx_lm.models.cache import KVCache
+
+    rows = []
+    for i, n in enumerate((40, 300, 7)):
+        c = KVCache()
+        c.update_and_fetch(mx.random.normal((1, 2, n, 32), key=mx.random.key(i)),
+                           mx.random.normal((1, 2, n, 32), key=mx.random.key(10 + i)))
+        rows.append(c)
+    cache = DenseBatchKVCache.merge(rows)
+    mask = cache.make_mask(1, return_array=True) if kind != "none" else None  # as a model makes it: before the update
+    keys, values = cache.update_and_fetch(mx.random.normal((3, 2, 1, 32)), mx.random.normal((3, 2, 1, 32)))
+    assert cache.keys.shape[2] == 512 and keys.shape[2] == 301
+    if kind == "additive":
+        mask = mx.where(mask, 0.0, -1e9).astype(mx.float32)
+    q = mx.random.normal((3, 8, 1, 32))
+    ref = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.2, mask=mask)
+    k2, v2, m2 = dense_fold.whole_buffers(cache, keys, values, mask)
+    assert k2.shape[2] == m2.shape[-1] == 512
+    out = dense_fold.attention(q, k2, v2, 0.2, m2)
+    assert mx.abs(out - ref).max().item() < 1e-5
+    assert dense_fold.whole_buffers(cache, keys[:, :, :300], values[:, :, :300], None)[0].shape[2] == 300  # not its slice
+
+
+@pytest.mark.skipif(backend_name() == "metal", reason="the fold is off on Metal")
+def test_batched_rows_over_whole_buffers_match_rows_alone(llama, monkeypatch):
+    """The engine's padded and unpadded batch rows through the fold over whole buffers (what CUDA's opt-in runs)."""
+    model, tok = llama
+    policy = resolve_policy(KVOptions())
+    reqs = [Request(tuple(3 + (5 * i + j) % 150 for j in range(9 + 4 * i)), 12, str(i)) for i in range(3)]
+    monkeypatch.setenv("MLXKV_DENSE_FOLD", "0")
+    alone = [generate_one(model, tok, r, build_caches(model, policy)[0]).token_ids for r in reqs]
+    calls = []
+    whole = dense_fold.whole_buffers
+    monkeypatch.setattr(dense_fold, "whole_buffers", lambda c, *a: calls.append(c.keys.shape[2]) or whole(c, *a))
+    monkeypatch.setenv("MLXKV_DENSE_FOLD", "force")
+    out, seen, _ = run_watching(model, tok, policy, 3, reqs)
+    assert [c.token_ids for c in out] == alone
+    assert (3, True) in seen and calls and all(n % 256 == 0 for n in calls)

@@ -30,7 +30,7 @@ def one_line(r, message):
     (["--memory", "0GB"], "--memory must be more than 0"),
     (["--memory", "1MB"], "--memory 1MB (976.6 KiB) does not hold the weights alone (1015.8 KiB)"),
     (["--memory", "1GB", "--shape", "llama-8b"], "does not hold the weights alone (15.0 GiB)"),
-    (["--memory", "24GB", "--shape", "nope"], "unknown shape 'nope' (known: gemma3-12b, gemma4-e2b,"),
+    (["--memory", "24GB", "--shape", "nope"], "unknown shape 'nope' (known: gemma3-12b, gemma3-mini, gemma4-e2b,"),
     (["--memory", "24GB", "--shape", "llama-8b", "-m", "embedded"], "give either -m/--model or --shape"),
     (["--memory", "24GB", "--weight-bits", "4"], "--weight-bits sets the random weights of a --shape"),
     (["--memory", "24GB", "--dtype-bytes", "-2"], "--dtype-bytes must be 1..8"),

@@ -11,7 +11,7 @@ from functools import cache
 import mlx.core as mx
 
 from ..backend import paged
-from . import cuda_chunk_mma, cuda_form3, cuda_lean, cuda_mma, cuda_prefetch, cuda_scaled, cuda_stage, cuda_turbo_mma
+from . import cuda_chunk_mma, cuda_form3, cuda_lean, cuda_mma, cuda_prefetch, cuda_ring, cuda_scaled, cuda_stage, cuda_turbo_mma
 from . import cuda_source as src
 from .cuda_launch import PAGE, THREADS, Plan, Side
 
@@ -114,6 +114,8 @@ def _special(plan: Plan) -> tuple[str, int, int]:
         return "scaled", lean, 0
     if int(plan.mma) == 3:
         return "form3", lean, 0
+    if int(plan.mma) == 4:  # form 3's lean loop through form 2's ring (opt-in); key dim: MLXKV_CUDA_RING=only
+        return "ring", int(cuda_ring.only()), 0
     return "", 0, 0
 
 
@@ -130,6 +132,8 @@ def body(mma: int, special: str = "", key_dim: int = 0, value_dim: int = 0) -> s
     elif special in ("scaled", "form3"):  # key_dim: 1 for the lean loop (cuda_lean.py)
         main = cuda_scaled.body() if special == "scaled" else cuda_form3.BODY
         main = cuda_lean.lean(main) if key_dim else main
+    elif special == "ring":
+        main = cuda_ring.body(bool(key_dim))
     elif special == "prefetch":  # key_dim: the level (1 keys, 2 keys and values, 3 L2); value_dim: L2's distance
         main = cuda_mma.PRELUDE + cuda_mma.QUERIES + cuda_prefetch.loop(key_dim, value_dim or 1) + cuda_mma.MERGE
     else:
@@ -143,7 +147,7 @@ def header(mma: bool, blocks: int = cuda_mma.MIN_BLOCKS, special: str = "") -> s
     if not mma:
         return src.compact(src.HEADER)
     extra = {"turbo": cuda_turbo_mma.HEADER, "chunk": cuda_turbo_mma.HEADER + cuda_chunk_mma.HEADER,
-             "scaled": cuda_scaled.HEADER}.get(special, "")
+             "scaled": cuda_scaled.HEADER, "ring": cuda_ring.HEADER}.get(special, "")
     return src.compact(src.HEADER + cuda_mma.HEADER + cuda_stage.HEADER + extra + cuda_mma.BOUNDS.format(blocks=blocks))
 
 

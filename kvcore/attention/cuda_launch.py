@@ -128,7 +128,8 @@ class Plan:
     n_queries: int
     paged: bool = False  # K/V in pages (P, H', PAGE, ...) found through a block table per row
     mma: int = 0  # the tensor-core body (kvcore/attention/cuda_mma.py; `mma_fits` says where), 2: its staged form,
-    # 3: keys-as-A with form 1's loads (cuda_form3.py; form 1's shared memory and constants)
+    # 3: keys-as-A with form 1's loads (cuda_form3.py; form 1's shared memory and constants), 4: form 3's lean loop
+    # through form 2's ring (cuda_ring.py; form 2's ring and constants)
 
     def __hash__(self) -> int:
         h = self.__dict__.get("_hash")
@@ -189,7 +190,7 @@ class Plan:
 
     def _layout(self, tile: int) -> dict:
         if self.mma:  # the warps' partials, then the merge's weights (scratch at 0); form 2: the rings before them
-            rings = WARPS * self.stages.count * self.stages.stage if self.mma == 2 else 0
+            rings = WARPS * self.stages.count * self.stages.stage if self.mma in (2, 4) else 0
             total = max(rings, mma_smem(self.qvb, self.value.dim, WARPS))
             if self.key.kind == "turbo":  # the codebooks (fp16) after the partials (cuda_turbo_mma.py)
                 return {"KT": 0, "BOOK": _align(total), "TOTAL": _align(total) + book_bytes(self.key.bits, self.value.bits)}
@@ -250,7 +251,7 @@ class Plan:
              ("VK", KINDS[v.kind]), ("VB", v.bits), ("VG", v.group), ("VNG", v.groups), ("VRW", v.words),
              ("VMS", v.meta_stride), ("VDT", v.dtype_code), ("PAGED", self.paged), ("PAGE", PAGE),
              ("MMA", int(self.mma))]
-        if self.mma == 2:
+        if self.mma in (2, 4):  # the ring's strides, depth and stage offsets (cuda_stage.py)
             st = self.stages
             t += [("KRS", st.krs), ("VRS", st.vrs), ("STG", st.count), ("STB", st.stage)]
             t += [("SOFF_" + name, off) for name, off in st.offsets(k.groups, v.groups).items()]

@@ -37,10 +37,11 @@ def variant() -> int | None:
     """MLXKV_CUDA_MMA as set: 0 the scalar body everywhere; 1 the tensor-core body where it fits, K/V read into
     registers, S = Q K^T; 2 its staged form (`cuda_stage`: each warp's tiles in a shared-memory ring filled by
     cp.async, keys as the mma's A operand); 3 (`cuda_form3`) form 2's arithmetic (S^T = K Q^T, no zero-padded
-    query fragment) with form 1's loads into registers, shared memory and launch bounds. None when unset (or
-    not a form): `form_for` picks per sides."""
+    query fragment) with form 1's loads into registers, shared memory and launch bounds; 4 (`cuda_ring`) form 3's
+    lean loop fed by form 2's ring where a launch's arrays suit it. None when unset (or not a form): `form_for`
+    picks per sides."""
     v = os.environ.get("MLXKV_CUDA_MMA")
-    return int(v) if v in ("0", "1", "2", "3") else None
+    return int(v) if v in ("0", "1", "2", "3", "4") else None
 
 
 DEFAULT_FORM = 3  # affine sides whose codes pair within half-words; run 19 (ncu, 4-bit, llama-8b attention): form 3

@@ -16,6 +16,13 @@ ran 3.7x faster at 16 x 8k (one key length, timed over and over), the engine's 1
 decode step's keys are one longer each step (host encode 77.6 ms a step against 15.1). One row and 4 x 32k were
 slower in the call alone too (0.26x, 0.68x). Not on Metal: not measured against MLX's kernel there.
 MLXKV_DENSE_FOLD=0: never; `force`: every backend, cache and row count (tests).
+
+On CUDA (`MLXKV_DENSE_FOLD=1`) the fold now reads a batch cache's whole buffer (`whole_buffers`: whole 256-token
+steps, cache/dense_batch.py), the tokens past the rows' length masked off, so the call's shapes -- cuDNN's
+graph -- change once every 256 steps, not every step; and it takes padded rows only (an array mask: MLX's call
+there is its one-query kernel with a mask, 1 565 us a layer at 16 x 8k in run 20e against the fold's 428), since
+rows of one length now get MLX's own cuDNN decode path (no mask, whole-step buffers). Opt-in until the H200 times
+it in the engine's step (`scripts/gpu_session_run23.sh`).
 """
 
 from __future__ import annotations
@@ -54,7 +61,7 @@ def folds(queries: mx.array, keys: mx.array, mask, sinks) -> bool:
     from ..backend import backend_name
 
     backend = backend_name()
-    return backend == "cpu" or (backend == "cuda" and setting == "1")
+    return backend == "cpu" or (backend == "cuda" and setting == "1" and mask is not None)  # CUDA: padded rows
 
 
 def sdpa(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask=None, sinks=None) -> mx.array:
@@ -64,10 +71,35 @@ def sdpa(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
 
 
-def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask) -> mx.array:
-    """The folded call (`applies` said yes): (B, Hq, 1, Dv), as mx.fast.scaled_dot_product_attention gives."""
+def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask, cache=None) -> mx.array:
+    """The folded call (`applies` said yes): (B, Hq, 1, Dv), as mx.fast.scaled_dot_product_attention gives; over a
+    batch cache's whole buffers on CUDA (and under `force`, so the CPU tests read them too)."""
+    if isinstance(cache, DenseBatchKVCache) and (_setting() == "force" or _cuda()):
+        keys, values, mask = whole_buffers(cache, keys, values, mask)
     B, Hq, _, D = queries.shape
     Hkv = keys.shape[1]
     q = queries.reshape(B, Hkv, Hq // Hkv, D)
     out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
     return out.reshape(B, Hq, 1, values.shape[-1])
+
+
+def _cuda() -> bool:
+    from ..backend import backend_name
+
+    return backend_name() == "cuda"
+
+
+def whole_buffers(cache: DenseBatchKVCache, keys: mx.array, values: mx.array, mask):
+    """(keys, values, mask) over the cache's whole buffers: the rows' tokens and the empty tail of the last step,
+    the tail masked off (a boolean mask widened with False, an additive one with its dtype's lowest value). As
+    handed when `keys` is not the cache's slice of its own tokens."""
+    n = keys.shape[2]
+    if cache.keys is None or n != cache._idx or cache.keys.shape[2] == n:
+        return keys, values, mask
+    size = cache.keys.shape[2]
+    if mask is None:
+        mask = (mx.arange(size) < n)[None, None, None, :]
+    else:
+        fill = False if mask.dtype == mx.bool_ else mx.finfo(mask.dtype).min
+        mask = mx.pad(mask, [(0, 0)] * (mask.ndim - 1) + [(0, size - n)], constant_values=fill)
+    return cache.keys, cache.values, mask

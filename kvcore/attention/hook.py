@@ -50,7 +50,7 @@ def _sdpa(queries, keys, values, cache, scale, mask, sinks=None):
     if dense_fold.applies(queries, keys, mask, sinks, cache):
         if isinstance(stats, AttentionStats):
             stats.folded += 1
-        return dense_fold.attention(queries, keys, values, scale, mask)
+        return dense_fold.attention(queries, keys, values, scale, mask, cache)
     return _ORIGINAL(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
 
 

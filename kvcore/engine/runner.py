@@ -125,8 +125,8 @@ class Runner:
                 extend = mine.extend
                 if isinstance(mine, BatchCompressedKVCache):
                     extend(type(new).merge([new]), [ids])
-                else:
-                    extend(type(new).merge([new]))
+                else:  # full precision: the joining row in whole steps already (no second copy in extend)
+                    extend((DenseBatchKVCache.merge if type(new) is KVCache else type(new).merge)([new]))
                 _settled(mine)
             self.ids.append(ids)
 
@@ -152,6 +152,8 @@ class Runner:
             idx = mx.array(keep)
             for c in self.caches:
                 c.filter(idx)
+                if isinstance(c, DenseBatchKVCache):  # its copies beside the old buffers for one layer at a time
+                    _settled(c)
 
     def compact(self, min_free: int) -> dict[int, int] | None:
         """Idle pools give back the pages no entry pins (PagedRows.compact): the renumbering, the same in
