@@ -92,3 +92,35 @@ def test_buffers_hold_whole_steps_and_the_same_tokens(lengths):
     mine.extend(DenseBatchKVCache.merge(join))
     theirs.extend(BatchKVCache.merge(_rows((700,))))
     _same(mine, theirs)
+
+
+def test_the_runner_grows_batch_buffers_before_the_step(llama, monkeypatch):
+    """Rows crossing a 256-token step while decoding: the buffers grow before the forward, a layer at a time (never
+    inside a step's update), and the tokens are each row's alone."""
+    model, tok = llama
+    policy = resolve_policy(KVOptions())
+    reqs = [Request(tuple(3 + (11 * i + j) % 190 for j in range(250 + 3 * i)), 9, str(i)) for i in range(2)]
+    alone = [generate_one(model, tok, r, build_caches(model, policy)[0]).token_ids for r in reqs]
+    grown, inside = [], []
+    room = DenseBatchKVCache.make_room
+
+    def spy(self, n):
+        did = room(self, n)
+        (inside if spy.updating else grown).append(did)
+        return did
+
+    spy.updating = False
+    update = DenseBatchKVCache.update_and_fetch
+
+    def in_update(self, k, v):
+        spy.updating = True
+        try:
+            return update(self, k, v)
+        finally:
+            spy.updating = False
+
+    monkeypatch.setattr(DenseBatchKVCache, "make_room", spy)
+    monkeypatch.setattr(DenseBatchKVCache, "update_and_fetch", in_update)
+    out, seen, engine = run_watching(model, tok, policy, 2, reqs)
+    assert [c.token_ids for c in out] == alone
+    assert any(grown) and not any(inside)  # grew, and only before a forward

@@ -174,6 +174,10 @@ class Runner:
     # -- decode -----------------------------------------------------------------
     def forward(self, tokens: mx.array) -> mx.array:
         """tokens (B, N) -> logits (B, N, V), lazily."""
+        if self.merged:
+            for c in self.caches:
+                if isinstance(c, DenseBatchKVCache) and c.make_room(tokens.shape[1]):
+                    _settled(c)  # grown here, a layer at a time, not all layers inside the step (below)
         return forward(self.model, tokens, self.caches)
 
     def sample(self, logits: mx.array, seqs: list[Sequence]) -> mx.array:
