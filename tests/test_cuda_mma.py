@@ -310,7 +310,7 @@ def test_form3_is_form2_arithmetic_with_form1_loads(monkeypatch):
     names = {n for n, _ in third.template} | {"FUSED", "HAS_SINK", "OT"}
     used = set(re.findall(r"\b([A-Z][A-Z0-9_]{1,})\b", cuda_form3.BODY)) - local
     assert used <= names, used - names
-    monkeypatch.setenv("MLXKV_CUDA_MMA", "4")  # unknown forms fall back to the default
+    monkeypatch.setenv("MLXKV_CUDA_MMA", "5")  # unknown forms fall back to the default
     assert cuda_mma.variant() is None and cuda_decode.plan_for(A, A, 4, 1, False, mx.bfloat16) == third
 
 

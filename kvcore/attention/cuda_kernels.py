@@ -11,7 +11,8 @@ from functools import cache
 import mlx.core as mx
 
 from ..backend import paged
-from . import cuda_chunk_mma, cuda_form3, cuda_lean, cuda_mma, cuda_prefetch, cuda_ring, cuda_scaled, cuda_stage, cuda_turbo_mma
+from . import (cuda_chunk_mma, cuda_form3, cuda_lean, cuda_mma, cuda_prefetch, cuda_ring, cuda_scaled, cuda_stage,
+               cuda_turbo3, cuda_turbo_mma)
 from . import cuda_source as src
 from .cuda_launch import PAGE, THREADS, Plan, Side
 
@@ -102,7 +103,9 @@ def _kernel(plan: Plan, fused: bool, has_sink: bool, out_dtype):
 def _special(plan: Plan) -> tuple[str, int, int]:
     """(kind, key dim, value dim) of a tensor-core plan with its own form-1 text: "turbo" (cuda_turbo_mma.py),
     "chunk" (affine codes that do not pair within half-words, cuda_chunk_mma.py), else ("", 0, 0)."""
-    if plan.mma and plan.key.kind == "turbo":
+    if plan.mma and plan.key.kind == "turbo":  # form 3 (cuda_turbo3.py, opt-in): key dim 1 for its lean loop
+        if int(plan.mma) == 3:
+            return "turbo3", int(cuda_lean.enabled()), plan.value.dim
         return "turbo", plan.key.dim, plan.value.dim
     if plan.mma and plan.key.kind == "affine" and not cuda_mma.word_fits(plan.key, plan.value):
         return "chunk", plan.key.dim, plan.value.dim
@@ -127,6 +130,8 @@ def body(mma: int, special: str = "", key_dim: int = 0, value_dim: int = 0) -> s
     bodies = {0: src.SCALAR_BODY, 1: cuda_mma.BODY, 2: cuda_stage.BODY, 3: cuda_form3.BODY}
     if special == "turbo":
         main = cuda_turbo_mma.body(value_dim)
+    elif special == "turbo3":
+        main = cuda_turbo3.body(value_dim, bool(key_dim))
     elif special == "chunk":
         main = cuda_chunk_mma.body(key_dim, value_dim)
     elif special in ("scaled", "form3"):  # key_dim: 1 for the lean loop (cuda_lean.py)
@@ -146,7 +151,7 @@ def header(mma: bool, blocks: int = cuda_mma.MIN_BLOCKS, special: str = "") -> s
     """The device functions; for the tensor-core bodies, then the kernel's launch bounds (`blocks` per SM)."""
     if not mma:
         return src.compact(src.HEADER)
-    extra = {"turbo": cuda_turbo_mma.HEADER, "chunk": cuda_turbo_mma.HEADER + cuda_chunk_mma.HEADER,
+    extra = {"turbo": cuda_turbo_mma.HEADER, "turbo3": cuda_turbo_mma.HEADER, "chunk": cuda_turbo_mma.HEADER + cuda_chunk_mma.HEADER,
              "scaled": cuda_scaled.HEADER, "ring": cuda_ring.HEADER}.get(special, "")
     return src.compact(src.HEADER + cuda_mma.HEADER + cuda_stage.HEADER + extra + cuda_mma.BOUNDS.format(blocks=blocks))
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING
 
-from .cuda_mma import MMA_TILE, mma_fits, mma_smem, word_fits
+from .cuda_mma import MMA_TILE, mma_fits, mma_smem, turbo_form3, word_fits
 from .cuda_stage import Stages, stages
 from .cuda_turbo_mma import book_bytes
 
@@ -234,7 +234,8 @@ class Plan:
             return "head dims outside 32..256"
         if self.mma and not mma_fits(self.key, self.value, self.rep, self.n_queries, "float16"):
             return "the tensor-core body does not cover these sides"
-        if self.mma not in (0, 1) and (self.key.kind == "turbo" or not word_fits(self.key, self.value)):
+        turbo3 = self.key.kind == "turbo" and self.mma == 3 and turbo_form3()  # cuda_turbo3.py (opt-in)
+        if self.mma not in (0, 1) and not turbo3 and (self.key.kind == "turbo" or not word_fits(self.key, self.value)):
             return "turbo rows and affine code chunks take the tensor-core body's form 1 only"
         if self.smem > MAX_SMEM:
             return f"shared memory {self.smem} > {MAX_SMEM}"

@@ -28,15 +28,16 @@ def enabled() -> bool:
     return os.environ.get("MLXKV_CUDA_LEAN", "1") != "0"
 
 
-def lean(body: str) -> str:
-    """A form-3 body (`cuda_form3.BODY`, or its scaled-code variant) with the loop's overheads taken out."""
+def lean(body: str, values: bool = True) -> str:
+    """A form-3 body (`cuda_form3.BODY`, its scaled-code variant, or turbo's with `values` false: its value rows are
+    read a half-word at a time, not as words) with the loop's overheads taken out."""
     start, end = body.index(_LOOP_START), body.index(_LOOP_END)
     loop = rewrite(body[start:end], [  # each piece once: a changed one fails here, not builds form 3 under this name
         ("const int pbt = pb_next;", "const int pbt = PAGED ? pb_next : b;"),
         (", kvec);", ", VEC);"),
-        (", vvec);", ", VEC);"),
+        *([(", vvec);", ", VEC);")] if values else []),
         ("#pragma unroll\n" + _RESCALE, "    if (__any_sync(0xffffffffu, cr0 != 1.f || cr1 != 1.f)) {  // a maximum moved\n"
                                         "#pragma unroll\n" + _RESCALE + "    }\n")], "cuda_lean")
-    both = ("  if (kvec && vvec) {\n  constexpr bool VEC = true;\n" + loop + "\n  } else {\n  constexpr bool VEC = false;\n"
+    both = ("  if (kvec" + (" && vvec" if values else "") + ") {\n  constexpr bool VEC = true;\n" + loop + "\n  } else {\n  constexpr bool VEC = false;\n"
             + loop + "\n  }\n")
     return body[:start] + both + body[end:]

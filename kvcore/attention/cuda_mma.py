@@ -54,6 +54,10 @@ def form_for(key, value) -> int:
     v = variant()
     if v is not None:
         return v
+    if key.kind == value.kind == "turbo":
+        from . import cuda_turbo3
+
+        return 3 if cuda_turbo3.enabled() else 1  # MLXKV_CUDA_TURBO_FORM=3: turbo in form 3's lean loop (opt-in)
     return DEFAULT_FORM if key.kind == value.kind == "affine" and word_fits(key, value) else 1
 
 
@@ -65,10 +69,11 @@ def mma_fits(key, value, rep: int, n_queries: int, q_dtype: str) -> bool:
     # are centroids of 2-8 bits: fp16 fragments lose nothing they hold (the device check admits at fp16's bound)
     if form == 0 or q_dtype not in ("bfloat16", "float16", *(("float32",) if turbo else ())):
         return False
-    if turbo:  # form 1 only (cuda_turbo_mma.py; MLXKV_CUDA_TURBO_MMA=0: the scalar body)
+    if turbo:  # form 1 (cuda_turbo_mma.py; MLXKV_CUDA_TURBO_MMA=0: the scalar body), or form 3 (cuda_turbo3.py, opt-in)
         from . import cuda_turbo_mma
 
-        return form == 1 and cuda_turbo_mma.enabled() and rep * n_queries <= 8 and cuda_turbo_mma.turbo_fits(key, value)
+        return (form == 1 or (form == 3 and turbo_form3())) and cuda_turbo_mma.enabled() and rep * n_queries <= 8 \
+            and cuda_turbo_mma.turbo_fits(key, value)
     if key.kind != "affine" or value.kind != "affine" or rep * n_queries > 8:
         return False
     if word_fits(key, value):
@@ -76,6 +81,12 @@ def mma_fits(key, value, rep: int, n_queries: int, q_dtype: str) -> bool:
     from . import cuda_chunk_mma  # codes that do not pair within half-words (cuda_chunk_mma.py)
 
     return form == 1 and cuda_chunk_mma.enabled() and cuda_chunk_mma.chunk_fits(key, value)
+
+
+def turbo_form3() -> bool:
+    from . import cuda_turbo3
+
+    return cuda_turbo3.enabled()
 
 
 def word_fits(key, value) -> bool:
