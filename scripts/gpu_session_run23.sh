@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run 23 (issue 13): two warm calls of about 8 minutes after staging (PART=a, then PART=b). Built on CPU in a session
+# Run 23 (issue 13): three warm calls of about 8 minutes after staging (PART=a, b, then c). Built on CPU in a session
 # lent no device (2026-12-04, fourth); what each step answers:
 # a. 1. the new kernel form and batch caches on CUDA: form 4 (cuda_ring.py: form 3's lean loop through form 2's ring,
 #       bit for bit form 3) with MLXKV_CUDA_RING=only, the lean tests, whole-step batch buffers and the fold over them;
@@ -13,6 +13,7 @@
 #    1. decode against mlx-lm at 32k / 128k with the ring (MLXKV_CUDA_MMA=4) and the default;
 #    2. the sliding-window shape of issue 13's item 3 (gemma3-12b: 5 of 6 layers a 1 024-token window, head dim 256):
 #       16 rows x 8k, uneven rows, one row at 32k against mlx-lm, each row's share of kernel calls in the JSON.
+# c. a 128k step kernel by kernel (mlx-lm and affine:4), and the lean default's 1 000-step end-to-end check.
 #   source /var/tmp/mlxw/gpu-env.sh && OUT=/some/folder PART=a bash scripts/gpu_session_run23.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -31,7 +32,7 @@ if [ "${PART:-a}" = a ]; then
   step sections 50 env OUT="$RES" CACHE=none CONTEXTS="131072" VARIANT=MLXKV_CUDA_MMA=4 bash scripts/gpu_kernel_sections.sh
   step batch 120 env OUT="$RES" python3 scripts/gpu_bench.py --contexts 8192,-8192 --no-prefill --repeats 1 \
     --only mlxkv/full/False,mlxkv/affine:4/True --budget-s 100 --output "$RES/h200-llama-8b-run23-batch.json"
-else
+elif [ "$PART" = b ]; then
   step fold-uneven 60 env OUT="$RES/fold" MLXKV_DENSE_FOLD=1 python3 scripts/gpu_bench.py --contexts -8192 \
     --no-prefill --repeats 1 --only mlxkv/full/False --budget-s 45
   step decode-ring 200 env OUT="$RES/ring" MLXKV_CUDA_MMA=4 python3 scripts/gpu_bench.py --contexts 32768,131072 \
@@ -41,5 +42,20 @@ else
     --no-prefill --repeats 1 --budget-s 220 \
     --only mlx-lm/bf16,mlxkv/full/False,mlxkv/affine:4/True,mlxkv/turbo:k4v3/True \
     --output "$RES/h200-gemma3-12b-run23.json"
+else  # PART=c: where a 128k step's time goes beyond the kernel and the weights (run 21: 8.42 ms a step against
+  # 5.83 at 32k, 0.88 ms more than the kernel's own growth), and the default's end-to-end check (issue 13: KL <= 1e-4
+  # over 1 000 steps; last run with form 1, run 8)
+  export NCU=/usr/local/cuda/bin/ncu CTX=131072 RES
+  step plain 120 python3 scripts/gpu_trace_step.py --context 131072 --steps 16 --cases model:mlx-lm,model:affine4-kernel
+  ncu_case() {  # as scripts/gpu_session_step.sh
+    local f="$RES/ncu-$(echo "$1" | tr ':' '-').csv"
+    timeout 100 $NCU --profile-from-start off --clock-control none --metrics gpu__time_duration.sum --csv \
+      python3 scripts/gpu_trace_step.py --cases "$1" --context "$CTX" --steps "$2" > "$f" 2>"$f.err"
+    python3 scripts/ncu_step_summary.py "$f" --steps "$3" --label "$1 at $CTX"
+  }
+  export -f ncu_case
+  step ncu-affine 110 bash -c 'ncu_case model:affine4-kernel 1 2'
+  step ncu-mlx-lm 110 bash -c 'ncu_case model:mlx-lm 1 2'
+  step e2e 90 python3 scripts/gpu_kernel_e2e.py --shape llama-1b --scheme affine:4 --steps 1000
 fi
 exit 0
