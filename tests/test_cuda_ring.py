@@ -28,6 +28,8 @@ def test_the_ring_body_is_form_2s_ring_loop_beside_the_lean_loops():
     assert undone == original  # form 2's ring loop, character for character, but for the skip
     assert text.index("const bool ring_ok") < text.index("uint32_t qa[NKB][2];")  # set up before the queries
     assert cuda_ring._NOT_TAKEN not in text and cuda_ring._NOT_TAKEN in cuda_ring.body(True)
+    scaled = cuda_ring.body(False, True)  # MLXKV_CUDA_DEQ=scaled: every loop's products on scaled codes
+    assert scaled.count("deqs(") == 15 and "deq2(" not in scaled.replace("uint32_t deq2(", "")
 
 
 def test_a_form_4_plan_carries_the_ring(monkeypatch):
@@ -42,6 +44,10 @@ def test_a_form_4_plan_carries_the_ring(monkeypatch):
     assert cuda_kernels._special(plan) == ("ring", 0, 0)
     monkeypatch.setenv("MLXKV_CUDA_RING", "only")
     assert cuda_kernels._special(plan) == ("ring", 1, 0)
+    monkeypatch.setenv("MLXKV_CUDA_DEQ", "scaled")
+    assert cuda_kernels._special(plan) == ("ringscaled", 1, 0)
+    assert "deqs" in cuda_kernels.header(True, 4, "ringscaled") and "cp_async16z" in cuda_kernels.header(True, 4, "ringscaled")
+    monkeypatch.delenv("MLXKV_CUDA_DEQ")
     monkeypatch.setenv("MLXKV_CUDA_MMA", "4")
     from kvcore.attention.cuda_mma import form_for
 
@@ -58,7 +64,10 @@ def test_a_form_4_plan_carries_the_ring(monkeypatch):
                                                                 (2, 64, 2, 64, 256, 4, 1, False),
                                                                 (4, 64, 4, 64, 128, 4, 1, True)])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_the_ring_is_form_3_bit_for_bit_on_the_device(monkeypatch, kb, kg, vb, vg, dim, rep, n, paged, dtype):
+@pytest.mark.parametrize("deq", ["", "scaled"])
+def test_the_ring_is_form_3_bit_for_bit_on_the_device(monkeypatch, kb, kg, vb, vg, dim, rep, n, paged, dtype, deq):
+    """Form 4 against form 3's lean loop, each on plain or on scaled codes (MLXKV_CUDA_DEQ)."""
+    monkeypatch.setenv("MLXKV_CUDA_DEQ", deq)
     q_dtype = getattr(mx, dtype)
     three = Plan(Side("affine", kb, kg, dim), Side("affine", vb, vg, dim), rep, n, paged, 3)
     four = Plan(three.key, three.value, rep, n, paged, 4)

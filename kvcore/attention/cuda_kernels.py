@@ -117,8 +117,8 @@ def _special(plan: Plan) -> tuple[str, int, int]:
         return "scaled", lean, 0
     if int(plan.mma) == 3:
         return "form3", lean, 0
-    if int(plan.mma) == 4:  # form 3's lean loop through form 2's ring (opt-in); key dim: MLXKV_CUDA_RING=only
-        return "ring", int(cuda_ring.only()), 0
+    if int(plan.mma) == 4:  # form 3's lean loop through form 2's ring (opt-in); key dim: MLXKV_CUDA_RING=only,
+        return "ringscaled" if cuda_scaled.enabled() else "ring", int(cuda_ring.only()), 0  # on scaled codes
     return "", 0, 0
 
 
@@ -137,8 +137,8 @@ def body(mma: int, special: str = "", key_dim: int = 0, value_dim: int = 0) -> s
     elif special in ("scaled", "form3"):  # key_dim: 1 for the lean loop (cuda_lean.py)
         main = cuda_scaled.body() if special == "scaled" else cuda_form3.BODY
         main = cuda_lean.lean(main) if key_dim else main
-    elif special == "ring":
-        main = cuda_ring.body(bool(key_dim))
+    elif special in ("ring", "ringscaled"):
+        main = cuda_ring.body(bool(key_dim), special == "ringscaled")
     elif special == "prefetch":  # key_dim: the level (1 keys, 2 keys and values, 3 L2); value_dim: L2's distance
         main = cuda_mma.PRELUDE + cuda_mma.QUERIES + cuda_prefetch.loop(key_dim, value_dim or 1) + cuda_mma.MERGE
     else:
@@ -152,7 +152,8 @@ def header(mma: bool, blocks: int = cuda_mma.MIN_BLOCKS, special: str = "") -> s
     if not mma:
         return src.compact(src.HEADER)
     extra = {"turbo": cuda_turbo_mma.HEADER, "turbo3": cuda_turbo_mma.HEADER, "chunk": cuda_turbo_mma.HEADER + cuda_chunk_mma.HEADER,
-             "scaled": cuda_scaled.HEADER, "ring": cuda_ring.HEADER}.get(special, "")
+             "scaled": cuda_scaled.HEADER, "ring": cuda_ring.HEADER,
+             "ringscaled": cuda_ring.HEADER + cuda_scaled.HEADER}.get(special, "")
     return src.compact(src.HEADER + cuda_mma.HEADER + cuda_stage.HEADER + extra + cuda_mma.BOUNDS.format(blocks=blocks))
 
 

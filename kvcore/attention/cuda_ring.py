@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 from functools import cache
 
-from . import cuda_form3, cuda_lean, cuda_stage
+from . import cuda_form3, cuda_lean, cuda_scaled, cuda_stage
 from .cuda_mma import PAGE_AHEAD, QUERIES
 from .cuda_source import rewrite
 
@@ -132,12 +132,18 @@ _NOT_TAKEN = "    acc[0][0] = __int_as_float(0x7fc00000);  // MLXKV_CUDA_RING=on
 
 
 @cache
-def body(ring_only: bool = False) -> str:
-    """Form 3's lean body with the ring set up before the queries and its loop taken where `ring_ok`."""
+def body(ring_only: bool = False, scaled: bool = False) -> str:
+    """Form 3's lean body with the ring set up before the queries and its loop taken where `ring_ok`; with `scaled`
+    every loop's products dequantize scaled codes (`cuda_scaled`, MLXKV_CUDA_DEQ=scaled: one fma a pair)."""
     lean = cuda_lean.lean(cuda_form3.BODY)
     loops_start = lean.index(PAGE_AHEAD)
     loops_end = lean.index(cuda_lean._LOOP_END)
     wrapped = ("  if (ring_ok) {\n" + ring_loop() + "  } else {\n" + (_NOT_TAKEN if ring_only else "")
                + lean[loops_start:loops_end] + "\n  }\n")
     text = lean[:loops_start] + wrapped + lean[loops_end:]
-    return rewrite(text, [(QUERIES, SETUP + QUERIES)], "cuda_ring")
+    text = rewrite(text, [(QUERIES, SETUP + QUERIES)], "cuda_ring")
+    if scaled:  # the ring loop's products and both lean loops'
+        for old, new in cuda_scaled.pieces():
+            assert text.count(old) == 3, "cuda_ring: a product piece is not in each of the three loops"
+            text = text.replace(old, new)
+    return text

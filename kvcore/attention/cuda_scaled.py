@@ -72,8 +72,11 @@ def _swap(text: str, pairs: list[tuple[str, str]]) -> str:
     return rewrite(text, pairs, "cuda_scaled")  # a changed piece must fail here, not time form 3 as this variant
 
 
+def pieces() -> list[tuple[str, str]]:
+    """(form 3's key products, on scaled codes), (its value products, on scaled codes)."""
+    return [(cuda_stage.KEY_MMA, _swap(cuda_stage.KEY_MMA, _KEY_SWAPS)), (cuda_mma.VALUES, _swap(cuda_mma.VALUES, _VALUE_SWAPS))]
+
+
 def body() -> str:
     """Form 3's body (cuda_form3.BODY) with its key and value products on scaled codes."""
-    keys = _swap(cuda_stage.KEY_MMA, _KEY_SWAPS)
-    values = _swap(cuda_mma.VALUES, _VALUE_SWAPS)
-    return _swap(cuda_form3.BODY, [(cuda_stage.KEY_MMA, keys), (cuda_mma.VALUES, values)])
+    return _swap(cuda_form3.BODY, pieces())
