@@ -37,7 +37,7 @@ elif [ "$PART" = b ]; then
   step fold-uneven 60 env OUT="$RES/fold" MLXKV_DENSE_FOLD=1 python3 scripts/gpu_bench.py --contexts -8192 \
     --no-prefill --repeats 1 --only mlxkv/full/False --budget-s 45
   step p0-512 50 env OUT="$RES/p0" python3 scripts/gpu_bench.py --contexts 512 --no-prefill --repeats 3 \
-    --only mlx-lm/bf16,mlxkv/full/False,mlxkv/affine:4/default --budget-s 40
+    --only mlx-lm/bf16,mlxkv/full/False,mlxkv/affine:4/default,mlxkv/affine:4/True --budget-s 45
   step decode-ring 200 env OUT="$RES/ring" MLXKV_CUDA_MMA=4 python3 scripts/gpu_bench.py --contexts 32768,131072 \
     --no-prefill --repeats 2 --only mlx-lm/bf16,mlxkv/affine:4/True --budget-s 180 \
     --output "$RES/h200-llama-8b-run23-ring.json"

@@ -7,6 +7,7 @@ rows run the lean loop."""
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from kvcore.attention import cuda_kernels, cuda_lean, cuda_ring, cuda_stage
@@ -54,6 +55,71 @@ def test_a_form_4_plan_carries_the_ring(monkeypatch):
     assert form_for(a4, a4) == 4
     assert form_for(Side("turbo", 4, 128, 128), Side("turbo", 3, 128, 128)) == 4  # asked for; mma_fits declines
     assert Plan(Side("turbo", 4, 128, 128), Side("turbo", 3, 128, 128), 4, 1, False, 4).why_not() is not None
+
+
+def _ring_copies(krw: int, vrw: int, kng: int, vng: int, st, nv: int):
+    """Every 16-byte copy one tile's `issue` makes, with the CUDA text's formulas: (array, source byte offset from the
+    tile's first token, destination byte offset in the stage, bytes read) for each lane's pieces."""
+    off = st.offsets(kng, vng)
+    out = []
+    for lane in range(32):
+        for k in range((4 * krw + 31) // 32):  # K rows: piece i is row i / (KRW / 4), column i % (KRW / 4)
+            i = lane + 32 * k
+            if (4 * krw) % 32 == 0 or i < 4 * krw:
+                r, col = i // (krw // 4), i % (krw // 4)
+                out.append(("k", 16 * i, (r * st.krs + 4 * col) * 4, 16 if r < nv else 0))
+        for k in range((4 * vrw + 31) // 32):
+            i = lane + 32 * k
+            if (4 * vrw) % 32 == 0 or i < 4 * vrw:
+                r, col = i // (vrw // 4), i % (vrw // 4)
+                out.append(("v", 16 * i, off["V"] + (r * st.vrs + 4 * col) * 4, 16 if r < nv else 0))
+        kmc, vmc = 2 * kng, 2 * vng
+        nmc = 2 * kmc + 2 * vmc
+        for k in range((nmc + 31) // 32):
+            i = min(lane + 32 * k, nmc - 1)
+            a = 0 if i < kmc else 1 if i < 2 * kmc else 2 if i < 2 * kmc + vmc else 3
+            j = i - a * kmc if a < 2 else i - 2 * kmc - (a - 2) * vmc
+            tb = 2 * (kng if a < 2 else vng)
+            if nmc % 32 == 0 or lane + 32 * k < nmc:
+                out.append(("ks kz vs vz".split()[a], 16 * j, off[("KS", "KZ", "VS", "VZ")[a]] + 16 * j,
+                            max(0, min(16, nv * tb - 16 * j))))
+    return out
+
+
+@pytest.mark.parametrize("kbits, vbits, dim, kg, vg", [(4, 4, 128, 64, 64), (8, 4, 128, 64, 32), (2, 2, 256, 64, 64),
+                                                        (4, 8, 64, 32, 64), (4, 4, 64, 64, 64), (4, 4, 256, 32, 32)])
+@pytest.mark.parametrize("nv", [16, 5, 1])
+def test_the_rings_copies_fill_the_stage_as_form_2s_reads_expect(kbits, vbits, dim, kg, vg, nv):
+    """A tile copied by `issue`'s formulas (emulated byte for byte) leaves, in every place form 2's loop reads (K rows
+    at KRS words, V rows at VRS, the four [16][groups] arrays), the tile's bytes for its first `nv` tokens and zeros
+    after them; no two copies write the same bytes, and none reads past the tile's tokens."""
+    ks, vs = Side("affine", kbits, kg, dim), Side("affine", vbits, vg, dim)
+    plan = Plan(ks, vs, 4, 1, False, 4)
+    assert plan.why_not() is None
+    st, rng = plan.stages, np.random.default_rng(dim + nv)
+    krw, vrw, kng, vng = ks.words, vs.words, ks.groups, vs.groups
+    src = {"k": rng.integers(0, 256, 16 * krw * 4, np.uint8), "v": rng.integers(0, 256, 16 * vrw * 4, np.uint8)}
+    for name, ng in (("ks", kng), ("kz", kng), ("vs", vng), ("vz", vng)):
+        src[name] = rng.integers(0, 256, 16 * ng * 2, np.uint8)
+    stage = np.full(st.stage, 0xAB, np.uint8)  # stale bytes of an earlier tile
+    written = np.zeros(st.stage, np.int32)
+    for name, s_off, d_off, n in _ring_copies(krw, vrw, kng, vng, st, nv):
+        piece = np.zeros(16, np.uint8)
+        piece[:n] = src[name][s_off : s_off + n]
+        stage[d_off : d_off + 16] = piece
+        written[d_off : d_off + 16] += 1
+        assert s_off + n <= len(src[name]) and (n == 0 or s_off < len(src[name]))
+    assert written.max() == 1
+    off = st.offsets(kng, vng)
+    for r in range(16):
+        for name, base, stride, rw in (("k", 0, st.krs, krw), ("v", off["V"], st.vrs, vrw)):
+            row = stage[base + r * stride * 4 : base + r * stride * 4 + rw * 4]
+            want = src[name][r * rw * 4 : (r + 1) * rw * 4] if r < nv else np.zeros(rw * 4, np.uint8)
+            assert (row == want).all(), (name, r)
+        for name, key, ng in (("ks", "KS", kng), ("kz", "KZ", kng), ("vs", "VS", vng), ("vz", "VZ", vng)):
+            got = stage[off[key] + r * ng * 2 : off[key] + (r + 1) * ng * 2]
+            want = src[name][r * ng * 2 : (r + 1) * ng * 2] if r < nv else np.zeros(ng * 2, np.uint8)
+            assert (got == want).all(), (name, r)
 
 
 @pytest.mark.skipif(backend_name() != "cuda", reason="the real kernel runs on the CUDA backend only")
