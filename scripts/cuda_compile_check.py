@@ -174,6 +174,8 @@ def main() -> None:
     ap.add_argument("--paged", action="store_true", help="the paged rows' kernel (pages found through a block table)")
     ap.add_argument("--turbo", default=None, metavar="KB,VB",
                     help="turbo K/V of these bits instead of affine (with MLXKV_CUDA_TURBO_MMA=1: the tensor-core body)")
+    ap.add_argument("--rotate", action="store_true",
+                    help="with --turbo: the launch rotates the query and its output itself (cuda_rotate.py)")
     ap.add_argument("--turbo-encode", default=None, metavar="DIMS",
                     help="instead: TurboQuant's one-launch encode (kvcore/codecs/turbo_cuda_encode.py) for these head "
                          "dims (e.g. 64,128) and --bits, each input dtype")
@@ -200,7 +202,12 @@ def main() -> None:
                 codec, vcodec = TurboCodec(CodecSpec("turbo", kb_), D), TurboCodec(CodecSpec("turbo", vb_), D)
                 side, vside = Side("turbo", kb_, D, D), Side("turbo", vb_, D, D)
                 books = (codec.centroids, vcodec.centroids)
-            plan = Plan(side, vside, HQ // HKV, 1, a.paged, form if mma_fits(side, vside, HQ // HKV, 1, a.q_dtype) else 0)
+            plan = Plan(side, vside, HQ // HKV, 1, a.paged, form if mma_fits(side, vside, HQ // HKV, 1, a.q_dtype) else 0,
+                        rotate=bool(a.turbo and a.rotate))
+            if plan.rotate:  # its key book followed by the rotation's signs
+                from kvcore.attention.cuda_rotate import book_with_signs
+
+                books = (book_with_signs(books[0], codec.rotation.signs), books[1])
             label = f"turbo:{a.turbo}" if a.turbo else f"affine:{bits}"
             if plan.why_not():
                 print(f"form {form} {label}: not covered ({plan.why_not()})")

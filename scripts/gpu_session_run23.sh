@@ -10,7 +10,8 @@
 #    4. P0 / P5 16-row cases: full precision with whole-step buffers (rows of one length: MLX's cuDNN decode path
 #       instead of run 20d's `sdpav_2pass`, 597 us a layer, 561.8 tok/s) and affine:4 on the lean loop (1 730 tok/s).
 # b. 0. uneven full-precision rows with the fold over whole buffers (MLXKV_DENSE_FOLD=1); P0's 512-token rows;
-#    1. decode against mlx-lm at 32k / 128k with the ring (MLXKV_CUDA_MMA=4) and the default;
+#    1. decode against mlx-lm at 32k / 128k with every new opt-in at once: affine:4 through the ring (MLXKV_CUDA_MMA=4),
+#       turbo:k4v3 in form 3 with its rotations in the launch (MLXKV_CUDA_TURBO_FORM=3, MLXKV_CUDA_TURBO_ROTATE=1: P9);
 #    2. the sliding-window shape of issue 13's item 3 (gemma3-12b: 5 of 6 layers a 1 024-token window, head dim 256):
 #       16 rows x 8k, uneven rows, one row at 32k against mlx-lm, each row's share of kernel calls in the JSON.
 # c. a 128k step kernel by kernel (mlx-lm and affine:4), the lean default's 1 000-step end-to-end check, and where
@@ -21,7 +22,7 @@ cd "$(dirname "$0")/.."
 TAIL_LINES=12 source scripts/gpu_steps.sh
 if [ "${PART:-a}" = a ]; then
   step tests 100 python3 -m pytest -q -n 8 --timeout 90 -p no:cacheprovider -p no:benchmark -rfE --tb=short \
-    tests/test_cuda_ring.py tests/test_cuda_turbo3.py tests/test_cuda_lean.py tests/test_dense_batch.py \
+    tests/test_cuda_ring.py tests/test_cuda_turbo3.py tests/test_cuda_rotate.py tests/test_cuda_lean.py tests/test_dense_batch.py \
     tests/test_dense_fold.py
   step ab 130 env OUT="$RES" CONTEXTS="4096 32768 131072" VARIANTS="MLXKV_CUDA_MMA=3 MLXKV_CUDA_MMA=4" \
     bash scripts/gpu_kernel_ab.sh
@@ -38,11 +39,11 @@ elif [ "$PART" = b ]; then
     --no-prefill --repeats 1 --only mlxkv/full/False --budget-s 45
   step p0-512 50 env OUT="$RES/p0" python3 scripts/gpu_bench.py --contexts 512 --no-prefill --repeats 3 \
     --only mlx-lm/bf16,mlxkv/full/False,mlxkv/affine:4/default,mlxkv/affine:4/True --budget-s 45
-  step decode-ring 200 env OUT="$RES/ring" MLXKV_CUDA_MMA=4 python3 scripts/gpu_bench.py --contexts 32768,131072 \
-    --no-prefill --repeats 2 --only mlx-lm/bf16,mlxkv/affine:4/True --budget-s 180 \
-    --output "$RES/h200-llama-8b-run23-ring.json"
-  step gemma3 250 env OUT="$RES" python3 scripts/gpu_bench.py --shape gemma3-12b --contexts 8192,-8192,32768 \
-    --no-prefill --repeats 1 --budget-s 220 \
+  step decode-new 260 env OUT="$RES/new" MLXKV_CUDA_MMA=4 MLXKV_CUDA_TURBO_FORM=3 MLXKV_CUDA_TURBO_ROTATE=1 \
+    python3 scripts/gpu_bench.py --contexts 32768,131072 --no-prefill --repeats 2 \
+    --only mlx-lm/bf16,mlxkv/affine:4/True,mlxkv/turbo:k4v3/True --budget-s 240 --output "$RES/h200-llama-8b-run23-new.json"
+  step gemma3 200 env OUT="$RES" python3 scripts/gpu_bench.py --shape gemma3-12b --contexts 8192,-8192,32768 \
+    --no-prefill --repeats 1 --budget-s 180 \
     --only mlx-lm/bf16,mlxkv/full/False,mlxkv/affine:4/True,mlxkv/turbo:k4v3/True \
     --output "$RES/h200-gemma3-12b-run23.json"
 else  # PART=c: where a 128k step's time goes beyond the kernel and the weights (run 21: 8.42 ms a step against

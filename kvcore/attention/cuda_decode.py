@@ -18,6 +18,7 @@ kept per plan); anything else returns None and the portable path serves.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import cache
 
 import mlx.core as mx
@@ -51,6 +52,7 @@ from .cuda_launch import (
     spec_side,
     token_bounds,
 )
+from . import cuda_rotate
 from .cuda_mma import form_for, mma_fits
 from .rotated import rotate_view
 
@@ -302,7 +304,15 @@ def _rotated_launch(q: mx.array, view, rot, scale: float, sinks) -> mx.array | N
     tensor-core body packs its fragments from float whatever q's type) and the kernel's float32 output goes
     straight into the inverse rotation, which rounds once to q's dtype: no cast either side of the launch
     (`in_rotated_basis` rounds the rotated query to q's dtype and widens the output back: two launches a layer
-    more). The recipe is kept for float32 queries over the view in the rotation's basis."""
+    more). The recipe is kept for float32 queries over the view in the rotation's basis. With
+    MLXKV_CUDA_TURBO_ROTATE=1 (`cuda_rotate`, opt-in) a Hadamard rotation runs inside the launch instead, where the
+    launch merges its own splits: the query goes in as it is and the output comes out in its basis."""
+    if cuda_rotate.enabled() and rot.signs is not None:
+        recipe = _kept_recipe(q, view, ("kernel-rotating", rot, sinks is not None),
+                              lambda qq, v: view_launches(qq, rotate_view(v, rot)), rotating=rot)
+        out = None if recipe is None else _steady_launch(q, view, recipe, scale, sinks)
+        if out is not None:
+            return out
     qr = rot.forward(q)
     recipe = _kept_recipe(qr, view, ("kernel", rot, sinks is not None),
                           lambda qq, v: view_launches(qq, rotate_view(v, rot)))
@@ -312,19 +322,20 @@ def _rotated_launch(q: mx.array, view, rot, scale: float, sinks) -> mx.array | N
     return None if out is None else rot.inverse(out, q.dtype)
 
 
-def _kept_recipe(q: mx.array, view, name: tuple, launches) -> tuple | None:
+def _kept_recipe(q: mx.array, view, name: tuple, launches, rotating=None) -> tuple | None:
     """The recipe of this view's launch for queries like `q`, kept in the cache's memo under `name`
-    (made from `launches(q, view)` the first time)."""
+    (made from `launches(q, view)` the first time; `rotating`: a rotation the launch applies itself)."""
     key = (*name, q.dtype, q.shape[1], q.shape[2])
     recipe = view.memo.get(key, _MISS)
     if recipe is _MISS:
-        recipe = view.memo[key] = _recipe(q, launches(q, view), view.heads)
+        recipe = view.memo[key] = _recipe(q, launches(q, view), view.heads, rotating)
     return recipe
 
 
-def _recipe(q: mx.array, launches: list[Launch] | None, heads: int) -> tuple | None:
+def _recipe(q: mx.array, launches: list[Launch] | None, heads: int, rotating=None) -> tuple | None:
     """(plan, (key side, book), (value side, book), {geometry}) of one joint launch, or None where
-    the kernel does not serve it (`attend`'s checks, made once per cache)."""
+    the kernel does not serve it (`attend`'s checks, made once per cache). `rotating`: the plan rotates the query and
+    the output itself (cuda_rotate.py), its key book followed by the rotation's signs."""
     if not launches or len(launches) != 1:
         return None
     _, Hq, N, _ = q.shape
@@ -332,9 +343,13 @@ def _recipe(q: mx.array, launches: list[Launch] | None, heads: int) -> tuple | N
         return None
     L = launches[0]
     plan = plan_for(L.key, L.value, Hq // heads, N, L.table is not None, q.dtype)
+    k_book = L.k_book
+    if rotating is not None:
+        plan = replace(plan, rotate=True)
+        k_book = cuda_rotate.book_with_signs(L.k_book, rotating.signs)
     if not admitted(plan, q.dtype):
         return None
-    return plan, (L.key, L.k_book), (L.value, L.v_book), {}
+    return plan, (L.key, k_book), (L.value, L.v_book), {}
 
 
 def packed_attention(q: mx.array, view, scale: float, sinks=None) -> mx.array | None:

@@ -11,8 +11,9 @@ from functools import cache
 import mlx.core as mx
 
 from ..backend import paged
-from . import (cuda_chunk_mma, cuda_form3, cuda_lean, cuda_mma, cuda_prefetch, cuda_ring, cuda_scaled, cuda_stage,
-               cuda_turbo3, cuda_turbo_mma)
+from . import (cuda_chunk_mma, cuda_form3, cuda_lean, cuda_mma, cuda_prefetch, cuda_ring, cuda_rotate, cuda_scaled,
+               cuda_stage, cuda_turbo3, cuda_turbo_mma)
+from .cuda_source import rewrite
 from . import cuda_source as src
 from .cuda_launch import PAGE, THREADS, Plan, Side
 
@@ -143,6 +144,9 @@ def body(mma: int, special: str = "", key_dim: int = 0, value_dim: int = 0) -> s
         main = cuda_mma.PRELUDE + cuda_mma.QUERIES + cuda_prefetch.loop(key_dim, value_dim or 1) + cuda_mma.MERGE
     else:
         main = bodies[int(mma)]
+    if special in ("turbo", "turbo3"):  # a turbo plan's ROT: the query rotation and its inverse in the launch
+        return src.compact(src.prologue() + rewrite(main, [(cuda_mma.QUERIES, cuda_rotate.queries())], "cuda_kernels")
+                           + cuda_rotate.tail(src.tail()))
     return src.compact(src.prologue() + main + src.tail())
 
 
@@ -280,6 +284,8 @@ def arrays_launch(q: mx.array, recipe: tuple, k_arrays: tuple, v_arrays: tuple, 
                                                                    width, v_head)
     kernel, grid, shapes, ints, fused = geo
     if not fused:
+        if plan.rotate:  # the merge launch does not rotate back: the caller's rotations serve (cuda_rotate.py)
+            return None
         launch = Launch(ks, vs, k_arrays, v_arrays, kb, vb, rows, columns, v_head, table)
         return merge(q, [partials(q, launch, plan, scale, heads)], plan.rep, plan.value.dim, sinks)
     return kernel(inputs=[q, *k_arrays, *v_arrays, kb, vb, rows, ints, _scale(scale), _counters(),

@@ -130,11 +130,12 @@ class Plan:
     mma: int = 0  # the tensor-core body (kvcore/attention/cuda_mma.py; `mma_fits` says where), 2: its staged form,
     # 3: keys-as-A with form 1's loads (cuda_form3.py; form 1's shared memory and constants), 4: form 3's lean loop
     # through form 2's ring (cuda_ring.py; form 2's ring and constants)
+    rotate: bool = False  # turbo sides: the query rotated and the output rotated back in the launch (cuda_rotate.py)
 
     def __hash__(self) -> int:
         h = self.__dict__.get("_hash")
         if h is None:
-            h = hash((self.key, self.value, self.rep, self.n_queries, self.paged, self.mma))
+            h = hash((self.key, self.value, self.rep, self.n_queries, self.paged, self.mma, self.rotate))
             object.__setattr__(self, "_hash", h)
         return h
 
@@ -223,8 +224,10 @@ class Plan:
 
     def merges_in_launch(self, nsplit: int) -> bool:
         """Whether the launch's last block can merge `nsplit` splits itself: their weights and the
-        denominators (QVB x (nsplit + 1) floats) fit the shared memory after the tiles."""
-        return self.qvb * (nsplit + 1) * 4 <= self.smem - self.layout["KT"] and self.value.dim % 4 == 0
+        denominators (QVB x (nsplit + 1) floats; a rotating plan's outputs after them) fit the shared memory
+        after the tiles."""
+        extra = self.qvb * self.value.dim if self.rotate else 0
+        return (self.qvb * (nsplit + 1) + extra) * 4 <= self.smem - self.layout["KT"] and self.value.dim % 4 == 0
 
     def why_not(self) -> str | None:
         """None when the kernel covers this plan, else why not."""
@@ -239,6 +242,9 @@ class Plan:
             return "turbo rows and affine code chunks take the tensor-core body's form 1 only"
         if self.smem > MAX_SMEM:
             return f"shared memory {self.smem} > {MAX_SMEM}"
+        if self.rotate and not (self.mma and self.key.kind == self.value.kind == "turbo" and self.key.dim == self.value.dim
+                                and self.key.dim & (self.key.dim - 1) == 0):
+            return "the launch rotates turbo rows of one power-of-two dim on the tensor cores only"
         return None
 
     @cached_property
@@ -252,6 +258,8 @@ class Plan:
              ("VK", KINDS[v.kind]), ("VB", v.bits), ("VG", v.group), ("VNG", v.groups), ("VRW", v.words),
              ("VMS", v.meta_stride), ("VDT", v.dtype_code), ("PAGED", self.paged), ("PAGE", PAGE),
              ("MMA", int(self.mma))]
+        if k.kind == "turbo":  # the turbo bodies' rotation in the launch (cuda_rotate.py)
+            t.append(("ROT", int(self.rotate)))
         if self.mma in (2, 4):  # the ring's strides, depth and stage offsets (cuda_stage.py)
             st = self.stages
             t += [("KRS", st.krs), ("VRS", st.vrs), ("STG", st.count), ("STB", st.stage)]
