@@ -102,8 +102,9 @@ def _kernel(plan: Plan, fused: bool, has_sink: bool, out_dtype):
 
 
 def _special(plan: Plan) -> tuple[str, int, int]:
-    """(kind, key dim, value dim) of a tensor-core plan with its own form-1 text: "turbo" (cuda_turbo_mma.py),
-    "chunk" (affine codes that do not pair within half-words, cuda_chunk_mma.py), else ("", 0, 0)."""
+    """(kind, key dim, value dim) of a tensor-core plan with a text of its own: "turbo" (cuda_turbo_mma.py) or
+    "turbo3" (cuda_turbo3.py), "chunk" (affine codes that do not pair within half-words, cuda_chunk_mma.py), the
+    opt-in variants ("prefetch", "scaled", "ring", "ringscaled") and form 3's ("form3", lean or not); else ("", 0, 0)."""
     if plan.mma and plan.key.kind == "turbo":  # form 3 (cuda_turbo3.py, opt-in): key dim 1 for its lean loop
         if int(plan.mma) == 3:
             return "turbo3", int(cuda_lean.enabled()), plan.value.dim
