@@ -5,9 +5,11 @@ Decode cases fill the caches directly (random K/V encoded to the context, as a p
 leave them) and then time >= 128 decode steps, the first 8 dropped, mlx-lm in the same
 process and interleaved with mlxkv (repeats, median with min..max). Prefill cases feed real
 prompts. Writes one JSON in `mlxkv bench --output`'s format to $OUT (and --output), prints
-the table.
+the table and issue 13's P1 as written (`meta.p1`: step(ctx) - step(128) of each compressed one-row case against
+its KV bytes / (0.8 B)).
 
     python scripts/gpu_bench.py [--shape llama-8b] [--gen 128] [--repeats 3] [--output benchmarks/h200-llama-8b.json]
+    python scripts/gpu_bench.py --shape llama-tiny --smoke --no-prefill   # the script itself, on a CPU
 """
 
 from __future__ import annotations
@@ -184,6 +186,26 @@ def baseline_band(rows: list[dict]) -> dict:
     return {"tps": tps, "low": BAND[0], "high": BAND[1], "in_band": tps is not None and BAND[0] <= tps <= BAND[1]}
 
 
+def kv_time(rows: list[dict], bandwidth: float, base: int = 128) -> list[dict]:
+    """Issue 13's P1 as it is written: each compressed row's step(ctx) - step(128) (one row, the same scheme and
+    kernel setting at `base` tokens) against its compressed KV bytes / (0.8 B), B the larger of the run's probe and
+    4.3 TB/s (a device-to-device copy on the H200)."""
+    B = max(bandwidth, 4.3e12)
+    short = {(r["scheme"], str(r.get("kernel"))): r for r in rows if r.get("context") == base and r.get("batch") == 1
+             and r["engine"] == "mlxkv" and r.get("decode_tps")}
+    out = []
+    for r in rows:
+        s = short.get((r["scheme"], str(r.get("kernel"))))
+        if (s is None or r is s or r["engine"] != "mlxkv" or r.get("batch") != 1 or r.get("context", 0) <= base
+                    or not r.get("decode_tps") or not r.get("kv_bytes") or r.get("kind") == "prefill"):
+            continue
+        step, allowed = 1e3 / r["decode_tps"] - 1e3 / s["decode_tps"], r["kv_bytes"] / (0.8 * B) * 1e3
+        out.append({"scheme": r["scheme"], "kernel": r.get("kernel"), "context": r["context"], "base": base,
+                    "kv_ms": round(step, 3),
+                    "allowed_ms": round(allowed, 3), "met": step <= allowed})
+    return out
+
+
 def paired(mine: list[dict], base: list[dict]) -> dict | None:
     """This row's tok/s over mlx-lm bf16's in the same repeat (adjacent in time, so a drift of the machine
     between repeats cancels): median, min, max of the per-repeat ratios."""
@@ -226,7 +248,8 @@ def main() -> None:
     ap.add_argument("--tests", action="store_true", help="also run the test suite on this device first")
     ap.add_argument("--tests-s", type=float, default=240, help="time limit of the test run")
     ap.add_argument("--output", default=None)
-    ap.add_argument("--smoke", action="store_true", help="tiny contexts (a CPU check of the script itself)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny contexts (a CPU check of the script itself; with a CPU-sized --shape, e.g. llama-tiny)")
     ap.add_argument("--contexts", default=None, help="only the decode cases of these contexts (e.g. 512,32768)")
     ap.add_argument("--no-prefill", action="store_true", help="skip the prefill cases")
     ap.add_argument("--only", default=None,
@@ -261,6 +284,7 @@ def main() -> None:
         return time.perf_counter() - T0 > a.budget_s
 
     plan = [  # (context, rows, [(engine, scheme, kernel)]): the cases that matter most first
+        (128, 1, [("mlxkv", "affine:4", True), ("mlxkv", "turbo:k4v3", True)]),  # P1's step(128)
         (512, 1, [("mlx-lm", "bf16", None), ("mlxkv", "full", False), ("mlxkv", "affine:4", False),
                   ("mlxkv", "affine:4", "default"), ("mlxkv", "affine:4", True)]),
         (8192, 16, [("mlxkv", "full", False), ("mlxkv", "affine:4", False), ("mlxkv", "affine:4", True),
@@ -289,7 +313,7 @@ def main() -> None:
     if a.no_prefill:
         prefills = ()
     if a.smoke:
-        plan = [(c // 256, min(r, 4), e) for c, r, e in plan]
+        plan = [(c // 256 if abs(c) > 512 else c // 8, min(r, 4), e) for c, r, e in plan]  # 128 -> 16, 512 -> 64
         prefills = () if a.no_prefill else (256, 512)
     for ctx, rows, engines in plan:
         runs = {i: [] for i in range(len(engines))}
@@ -330,6 +354,7 @@ def main() -> None:
             if scheme and "ttft_s" in r and r["ttft_s"] > 60:
                 break  # the old blockwise prefill: longer contexts would not fit the run
     meta["baseline"] = baseline_band(ROWS)
+    meta["p1"] = kv_time(ROWS, bw["ceiling"], 16 if a.smoke else 128)
     doc = {"meta": meta, "rows": ROWS}
     (OUT / "gpu_bench.json").write_text(json.dumps(doc, indent=1))
     if a.output:
@@ -340,6 +365,9 @@ def main() -> None:
               f"{r.get('prefill_tps', 0):8.0f} {r.get('peak_memory_gb', 0):7.2f}  "
               f"{({True: 'kernel ', 'default': 'default '}.get(r.get('kernel'), '')) + (r.get('error') or (r.get('attention') or {}).get('path', ''))}"
               + (f"  x{r['x_mlx_lm']['median']:.2f} ({r['x_mlx_lm']['min']:.2f}-{r['x_mlx_lm']['max']:.2f})" if r.get("x_mlx_lm") else ""))
+    for p in meta["p1"]:
+        print(f"P1 {p['scheme']} ({'kernel' if p['kernel'] is True else p['kernel']}) at {p['context']}: step - step({p['base']}) "
+              f"{p['kv_ms']:.2f} ms against {p['allowed_ms']:.2f} allowed: {'met' if p['met'] else 'missed'}")
     band = meta["baseline"]
     if band["tps"] is not None:
         print(f"mlx-lm bf16 at 32k: {band['tps']:.1f} tok/s, {'inside' if band['in_band'] else 'OUTSIDE'} issue 13's "

@@ -40,7 +40,7 @@ elif [ "$PART" = b ]; then
   step p0-512 50 env OUT="$RES/p0" python3 scripts/gpu_bench.py --contexts 512 --no-prefill --repeats 3 \
     --only mlx-lm/bf16,mlxkv/full/False,mlxkv/affine:4/default,mlxkv/affine:4/True --budget-s 45
   step decode-new 260 env OUT="$RES/new" MLXKV_CUDA_MMA=4 MLXKV_CUDA_TURBO_FORM=3 MLXKV_CUDA_TURBO_ROTATE=1 \
-    python3 scripts/gpu_bench.py --contexts 32768,131072 --no-prefill --repeats 2 \
+    python3 scripts/gpu_bench.py --contexts 128,32768,131072 --no-prefill --repeats 2 \
     --only mlx-lm/bf16,mlxkv/affine:4/True,mlxkv/turbo:k4v3/True --budget-s 240 --output "$RES/h200-llama-8b-run23-new.json"
   step gemma3 200 env OUT="$RES" python3 scripts/gpu_bench.py --shape gemma3-12b --contexts 8192,-8192,32768 \
     --no-prefill --repeats 1 --budget-s 180 \
