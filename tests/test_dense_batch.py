@@ -124,3 +124,89 @@ def test_the_runner_grows_batch_buffers_before_the_step(llama, monkeypatch):
     out, seen, engine = run_watching(model, tok, policy, 2, reqs)
     assert [c.token_ids for c in out] == alone
     assert any(grown) and not any(inside)  # grew, and only before a forward
+
+
+@pytest.fixture(scope="module")
+def qwen3(tiny_models):
+    return per_family(tiny_models, lambda path, model, tok: (model, tok))("qwen3")
+
+
+@pytest.mark.parametrize("rows", [1])
+def test_compressed_rows_grow_before_the_step(qwen3, monkeypatch, rows):
+    """A compressed layer crossing a 256-token step while decoding grows its buffers before the forward
+    (Runner.forward's make_room), never inside a step's update; tokens as alone."""
+    import mlx.core as mx
+
+    from kvcore.cache.buffer import Buffer
+    from kvcore.cache.packed import PackedRows
+
+    model, tok = qwen3  # head dim 64: affine codes a token at a time (the decode path that appends one)
+    policy = resolve_policy(KVOptions(kv="affine:4", quantized_kv_start=0))
+    start = 251 if rows == 1 else 500  # packed rows start with a step to spare: (longest + 256) // 256 * 256
+    reqs = [Request(tuple(3 + (13 * i + j) % 180 for j in range(start + 2 * i)), 9, str(i)) for i in range(rows)]
+    alone = [generate_one(model, tok, r, build_caches(model, policy)[0]).token_ids for r in reqs]
+    where = {"update": 0}
+    grown = []  # (inside an update?) for every growth of a decode step's buffers
+
+    def flagged(fn):
+        def run(self, *a, **k):
+            where["update"] += 1
+            try:
+                return fn(self, *a, **k)
+            finally:
+                where["update"] -= 1
+        return run
+
+    room, pad = Buffer._room, mx.pad
+
+    def spy_room(self, k, *a):
+        if self.parts is not None:  # growth of a buffer in use (not its first allocation)
+            grown.append(where["update"] > 0)
+        return room(self, k, *a)
+
+    monkeypatch.setattr(Buffer, "_room", spy_room)
+    monkeypatch.setattr(Buffer, "append", flagged(Buffer.append))
+    monkeypatch.setattr(PackedRows, "update_and_fetch", flagged(PackedRows.update_and_fetch))
+    packed_room = PackedRows.make_room
+
+    def spy_packed(self, n):
+        did = packed_room(self, n)
+        if did:
+            grown.append(where["update"] > 0)
+        return did
+
+    monkeypatch.setattr(PackedRows, "make_room", spy_packed)
+    engine = Engine(model, tok, policy, rows, GenerateConfig(prefill_chunk=64), interleave=False)
+    out = engine.run(reqs)
+    assert [c.token_ids for c in out] == alone
+    assert grown and not any(grown), grown  # grew, and only before a forward
+
+
+def test_packed_rows_make_room_before_their_update():
+    """Packed rows (BatchCompressedKVCache.make_room): grown by whole steps when the next tokens would not fit, once,
+    and the update then writes without growing."""
+    import mlx.core as mx
+
+    from kvcore.cache import BatchCompressedKVCache, CompressedKVCache
+    from kvcore.codecs import CodecSpec
+
+    from kvcore.attention.config import AttentionConfig
+
+    rows = []
+    for i, n in enumerate((250, 255, 240)):
+        c = CompressedKVCache(CodecSpec("affine", 4, 64), start=0, attention=AttentionConfig(paged=False))
+        k = mx.random.normal((1, 2, n, 64), key=mx.random.key(i))
+        c.update_and_fetch(k, k)
+        rows.append(c)
+    batch = BatchCompressedKVCache(rows)
+    batch._maybe_pack()
+    cap = batch.packed.parts[0].shape[2]
+    assert cap % 256 == 0 and cap > max(batch.packed.lengths) and not batch.make_room(1)
+    lengths = list(batch.packed.lengths)
+    grew = []
+    for step in range(cap - max(lengths) + 2):
+        grew.append(batch.make_room(1))
+        before = batch.packed.parts[0].shape[2]
+        batch.update_and_fetch(mx.zeros((3, 2, 1, 64)), mx.zeros((3, 2, 1, 64)))
+        assert batch.packed.parts[0].shape[2] == before  # the update found room
+    assert grew.count(True) == 1 and batch.packed.parts[0].shape[2] == cap + 256

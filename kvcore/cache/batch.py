@@ -168,6 +168,10 @@ class BatchCompressedKVCache(_BaseCache):
             self._rows = self.rows + new  # repacked at the next update
         self._pad = pad
 
+    def make_room(self, n: int) -> bool:
+        """Packed rows grow their parts now if the next `n` tokens would not fit (paged rows reserve at a join)."""
+        return isinstance(self.packed, PackedRows) and self.packed.make_room(n)
+
     def reserve_tokens(self, finals: list[int]) -> None:
         """Room for the rows (in their order) to reach these lengths without growing storage later
         (paged rows; the others grow as they go)."""

@@ -68,6 +68,13 @@ class Buffer:
         olds = self.parts or (None,) * len(shapes)
         self.parts = tuple(widen(o, sh, dt) for o, sh, dt in zip(olds, shapes, dtypes))
 
+    def make_room(self, k: int) -> bool:
+        """Grow now (by whole steps, as `append` would) if k more entries would not fit; whether it grew."""
+        if self.parts is None or self.n + k <= self.capacity:
+            return False
+        self._room(k, [p.shape for p in self.parts], [p.dtype for p in self.parts])
+        return True
+
     def reserve(self, n: int) -> None:
         """Room for n entries in all, allocated once: a prefill that knows its length grows the
         buffer once instead of copying it at every chunk (each copy holds old and new at once)."""

@@ -184,16 +184,21 @@ class PackedRows:
                 for b, n in enumerate(self.lengths)]
 
     # -- decode -------------------------------------------------------------
+    def make_room(self, n: int) -> bool:
+        """Grow the parts (by whole steps) now if every row's next `n` tokens would not fit; whether they grew."""
+        need = max(self.lengths) + n
+        if need <= self.parts[0].shape[2]:
+            return False
+        grow = (need - self.parts[0].shape[2] + STEP - 1) // STEP * STEP
+        self.parts = tuple(mx.pad(p, [(0, 0), (0, 0), (0, grow)] + [(0, 0)] * (p.ndim - 3)) for p in self.parts)
+        return True
+
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> PackedView:
         """keys: (B, H, N, D), each row's next N tokens, written at its own length."""
         _, H, N, D = keys.shape
         t = self.template
         new = (keys, values) if t.key_codec is None else t.encode_tokens(keys, values)
-        need = max(self.lengths) + N
-        if need > self.parts[0].shape[2]:
-            grow = (need - self.parts[0].shape[2] + STEP - 1) // STEP * STEP
-            self.parts = tuple(mx.pad(p, [(0, 0), (0, 0), (0, grow)] + [(0, 0)] * (p.ndim - 3))
-                               for p in self.parts)
+        self.make_room(N)  # where no one made room before the step
         q_start = device_lengths(self.lengths)
         self.parts = tuple(mx.put_along_axis(p, part_index(q_start, N, tuple(v.shape)), v, axis=2)
                            for p, v in zip(self.parts, new))

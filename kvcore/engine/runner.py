@@ -174,10 +174,11 @@ class Runner:
     # -- decode -----------------------------------------------------------------
     def forward(self, tokens: mx.array) -> mx.array:
         """tokens (B, N) -> logits (B, N, V), lazily."""
-        if self.merged:
-            for c in self.caches:
-                if isinstance(c, DenseBatchKVCache) and c.make_room(tokens.shape[1]):
-                    _settled(c)  # grown here, a layer at a time, not all layers inside the step (below)
+        for c in self.caches or []:  # mlxkv's caches grow here, a layer at a time, not every layer inside the step
+            room = getattr(c, "make_room", None)
+            if room is not None and room(tokens.shape[1]):
+                state = c.state
+                mx.eval([a for a in (state if isinstance(state, (tuple, list)) else [state]) if isinstance(a, mx.array)])
         return forward(self.model, tokens, self.caches)
 
     def sample(self, logits: mx.array, seqs: list[Sequence]) -> mx.array:
