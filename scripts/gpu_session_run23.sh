@@ -4,8 +4,8 @@
 # a. 1. the new kernel form and batch caches on CUDA: form 4 (cuda_ring.py: form 3's lean loop through form 2's ring,
 #       bit for bit form 3) with MLXKV_CUDA_RING=only, the lean tests, whole-step batch buffers and the fold over them;
 #    2. ncu A/B of one steady launch: lean (the default) against the ring at 4k / 32k / 128k, the ring on scaled
-#       codes (522 instructions a tile against 565), with fewer splits, at 3 blocks an SM; the in-launch merge's
-#       unroll (the launch's fixed ~14 us);
+#       codes (522 instructions a tile against 565) and at 3 blocks an SM; the launch's fixed ~14 us (the in-launch
+#       merge's unroll, half the splits);
 #    3. turbo in form 3's lean loop (cuda_turbo3.py, MLXKV_CUDA_TURBO_FORM=3) against its form-1 body (P9), under ncu;
 #    4. P0 / P5 16-row cases: full precision with whole-step buffers (rows of one length: MLX's cuDNN decode path
 #       instead of run 20d's `sdpav_2pass`, 597 us a layer, 561.8 tok/s) and affine:4 on the lean loop (1 730 tok/s).
@@ -26,12 +26,12 @@ if [ "${PART:-a}" = a ]; then
     tests/test_dense_fold.py
   step ab 130 env OUT="$RES" CONTEXTS="4096 32768 131072" VARIANTS="MLXKV_CUDA_MMA=3 MLXKV_CUDA_MMA=4" \
     bash scripts/gpu_kernel_ab.sh
-  step ab-ring 110 env OUT="$RES" CONTEXTS="32768 131072" VARIANTS="MLXKV_CUDA_MMA=4,MLXKV_CUDA_DEQ=scaled \
-    MLXKV_CUDA_MMA=4,MLXKV_CUDA_TARGET_BLOCKS=264 MLXKV_CUDA_MMA=4,MLXKV_CUDA_MIN_BLOCKS=3,MLXKV_CUDA_TARGET_BLOCKS=396" \
-    bash scripts/gpu_kernel_ab.sh
+  step ab-ring 80 env OUT="$RES" CONTEXTS="32768 131072" VARIANTS="MLXKV_CUDA_MMA=4,MLXKV_CUDA_DEQ=scaled \
+    MLXKV_CUDA_MMA=4,MLXKV_CUDA_MIN_BLOCKS=3,MLXKV_CUDA_TARGET_BLOCKS=396" bash scripts/gpu_kernel_ab.sh
   step ab-turbo 80 env OUT="$RES" KIND=turbo-kernel CONTEXTS="32768 131072" \
     VARIANTS="MLXKV_CUDA_TURBO_FORM=1 MLXKV_CUDA_TURBO_FORM=3" bash scripts/gpu_kernel_ab.sh
-  step ab-merge 45 env OUT="$RES" CONTEXTS="4096 32768" VARIANTS="MLXKV_CUDA_MERGE_UNROLL=32" bash scripts/gpu_kernel_ab.sh
+  step ab-fixed 80 env OUT="$RES" CONTEXTS="4096 32768" VARIANTS="MLXKV_CUDA_MERGE_UNROLL=32 MLXKV_CUDA_TARGET_BLOCKS=264" \
+    bash scripts/gpu_kernel_ab.sh
   step batch 120 env OUT="$RES" python3 scripts/gpu_bench.py --contexts 8192,-8192 --no-prefill --repeats 1 \
     --only mlxkv/full/False,mlxkv/affine:4/True --budget-s 100 --output "$RES/h200-llama-8b-run23-batch.json"
 elif [ "$PART" = b ]; then
