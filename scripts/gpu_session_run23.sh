@@ -14,8 +14,9 @@
 #       turbo:k4v3 in form 3 with its rotations in the launch (MLXKV_CUDA_TURBO_FORM=3, MLXKV_CUDA_TURBO_ROTATE=1: P9);
 #    2. the sliding-window shape of issue 13's item 3 (gemma3-12b: 5 of 6 layers a 1 024-token window, head dim 256):
 #       16 rows x 8k, uneven rows, one row at 32k against mlx-lm, each row's share of kernel calls in the JSON.
-# c. a 128k step kernel by kernel (mlx-lm and affine:4), the lean default's 1 000-step end-to-end check, and where
-#    the ring's 128k launch waits (ncu sections).
+# c. a 128k step kernel by kernel (affine:4), the lean default's 1 000-step end-to-end check, where the ring's 128k
+#    launch waits (ncu sections), and MLX without CUDA graphs (MLX_USE_CUDA_GRAPHS=0: kernels launched straight onto
+#    the stream) for the host-bound steps: 16 x 8k (run 20d: MLX's encode 10.4 ms a step, cuBLASLt captures) and 32k.
 #   source /var/tmp/mlxw/gpu-env.sh && OUT=/some/folder PART=a bash scripts/gpu_session_run23.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -59,8 +60,9 @@ else  # PART=c: where a 128k step's time goes beyond the kernel and the weights 
   }
   export -f ncu_case
   step ncu-affine 110 bash -c 'ncu_case model:affine4-kernel 1 2'
-  step ncu-mlx-lm 110 bash -c 'ncu_case model:mlx-lm 1 2'
   step e2e 90 python3 scripts/gpu_kernel_e2e.py --shape llama-1b --scheme affine:4 --steps 1000
   step sections 50 env OUT="$RES" CACHE=none CONTEXTS="131072" VARIANT=MLXKV_CUDA_MMA=4 bash scripts/gpu_kernel_sections.sh
+  step graphs-off 130 env OUT="$RES/nographs" MLX_USE_CUDA_GRAPHS=0 python3 scripts/gpu_bench.py --contexts 8192,32768 \
+    --no-prefill --repeats 1 --only mlx-lm/bf16,mlxkv/affine:4/True --budget-s 110
 fi
 exit 0
