@@ -210,3 +210,29 @@ def test_packed_rows_make_room_before_their_update():
         batch.update_and_fetch(mx.zeros((3, 2, 1, 64)), mx.zeros((3, 2, 1, 64)))
         assert batch.packed.parts[0].shape[2] == before  # the update found room
     assert grew.count(True) == 1 and batch.packed.parts[0].shape[2] == cap + 256
+
+
+def test_a_full_precision_row_grows_before_the_step(llama, monkeypatch):
+    """A lone full-precision row (mlx-lm's KVCache) crossing a 256-token step grows in the runner's pass before the
+    forward, as its own update would have grown it (kvcore/cache/room.py): no update changes its capacity, and the
+    tokens are those of the row decoded on its own."""
+    from mlx_lm.models.cache import KVCache
+
+    model, tok = llama
+    policy = resolve_policy(KVOptions())
+    req = Request(tuple(3 + (7 * j) % 170 for j in range(252)), 10, "0")
+    alone = generate_one(model, tok, req, build_caches(model, policy)[0]).token_ids
+    changed, seen = [], []
+    update = KVCache.update_and_fetch
+
+    def spy(self, k, v):
+        before = None if self.keys is None else self.keys.shape[2]
+        out = update(self, k, v)
+        seen.append(before)
+        changed.append(before is not None and self.keys.shape[2] != before)
+        return out
+
+    monkeypatch.setattr(KVCache, "update_and_fetch", spy)
+    out = Engine(model, tok, policy, 1, GenerateConfig(prefill_chunk=64), interleave=False).run([req])
+    assert out[0].token_ids == alone
+    assert 256 in seen and 512 in seen and not any(changed)  # crossed a step, grown before the updates

@@ -24,6 +24,7 @@ from ..cache.batch import BatchCompressedKVCache
 from ..cache.compressed import CompressedKVCache
 from ..cache.paged import PagedRows
 from ..cache.dense_batch import DenseBatchKVCache
+from ..cache.room import make_room
 from ..policy import KVPolicy, build_caches
 from ..transient import memory_limit
 from .forward import forward, prefill_chunk
@@ -174,11 +175,8 @@ class Runner:
     # -- decode -----------------------------------------------------------------
     def forward(self, tokens: mx.array) -> mx.array:
         """tokens (B, N) -> logits (B, N, V), lazily."""
-        for c in self.caches or []:  # mlxkv's caches grow here, a layer at a time, not every layer inside the step
-            room = getattr(c, "make_room", None)
-            if room is not None and room(tokens.shape[1]):
-                state = c.state
-                mx.eval([a for a in (state if isinstance(state, (tuple, list)) else [state]) if isinstance(a, mx.array)])
+        for c in self.caches or []:  # caches grow here, a layer at a time, not every layer inside the step (room.py)
+            make_room(c, tokens.shape[1])
         return forward(self.model, tokens, self.caches)
 
     def sample(self, logits: mx.array, seqs: list[Sequence]) -> mx.array:
