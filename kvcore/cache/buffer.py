@@ -58,7 +58,7 @@ class Buffer:
         """Capacity for k more entries of parts shaped like `shapes` (axis 2 aside)."""
         if self.parts is not None and self.n + k <= self.capacity:
             return
-        grow = max((k + self.step - 1) // self.step * self.step, self.hint - self.n)
+        grow = max((k + self.step - 1) // self.step * self.step, -(-self.hint // self.step) * self.step - self.n)
         self.hint = 0
 
         def widen(old, shape, dtype):
@@ -76,14 +76,16 @@ class Buffer:
         return True
 
     def reserve(self, n: int) -> None:
-        """Room for n entries in all, allocated once: a prefill that knows its length grows the
-        buffer once instead of copying it at every chunk (each copy holds old and new at once)."""
+        """Room for n entries in all (rounded up to whole steps), allocated once: a prefill that knows its length
+        grows the buffer once instead of copying it at every chunk (each copy holds old and new at once), and the
+        decode steps after it find room for up to a step's tokens more (an exact fit made the first one copy the
+        whole buffer again)."""
         if self.parts is None:
             self.hint = max(self.hint, n)
             return
         if n <= self.capacity:
             return
-        spare = n - self.n
+        spare = -(-n // self.step) * self.step - self.n
         self.parts = tuple(mx.concatenate([p[:, :, : self.n], mx.zeros((*p.shape[:2], spare, *p.shape[3:]), dtype=p.dtype)],
                                           axis=2) for p in self.parts)
 
