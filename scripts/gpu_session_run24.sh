@@ -3,8 +3,11 @@
 # failed on the device with no traceback kept, and the decode rows stopped at 32k. So:
 # a. 1. the opt-in forms' device tests (ring, turbo form 3, rotations in the launch), stopping at the first few
 #       failures so their tracebacks come back; 2. the default's bit-for-bit tests and the dense batch rows;
-#    3. the default decode against mlx-lm at 128 / 32k / 128k with three repeats and time enough for its warm-up.
-# b. (after the CPU fixes) the fixed forms' tests again, their ncu A/B, and the 16-row cases.
+#    3. the default decode against mlx-lm at 128 / 32k / 128k with three repeats and time enough for its warm-up;
+#    4. the ring (form 4) against the lean default where it was meant to win, one steady launch at 32k and 128k (ncu:
+#       run 23 timed only 4k, 18.0 against 16.4 us), whatever its tests said (a wrong result there voids the time).
+# b. (after the CPU fixes) the fixed forms' tests again, the 16-row cases (run 23's affine:4 read 23% below run 20d's),
+#    and issue 13's sliding-window shape (gemma3-12b, never run: 16 x 8k, uneven rows, one row at 32k against mlx-lm).
 #   source /var/tmp/mlxw/gpu-env.sh && OUT=/some/folder PART=a bash scripts/gpu_session_run24.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -13,14 +16,19 @@ PYT="python3 -m pytest -q -p no:cacheprovider -p no:benchmark -rfE --tb=short"
 if [ "${PART:-a}" = a ]; then
   step tests-new 150 $PYT -n 8 --maxfail 6 --timeout 120 tests/test_cuda_ring.py tests/test_cuda_turbo3.py \
     tests/test_cuda_rotate.py
-  step tests-lean 100 $PYT -n 8 --timeout 90 tests/test_cuda_lean.py tests/test_dense_batch.py tests/test_dense_fold.py
-  step decode 250 env OUT="$RES/default" python3 scripts/gpu_bench.py --contexts 128,32768,131072 --no-prefill \
-    --repeats 3 --only mlx-lm/bf16,mlxkv/affine:4/True,mlxkv/turbo:k4v3/True --budget-s 235 \
+  step tests-lean 80 $PYT -n 8 --timeout 90 tests/test_cuda_lean.py tests/test_dense_batch.py tests/test_dense_fold.py
+  step decode 220 env OUT="$RES/default" python3 scripts/gpu_bench.py --contexts 128,32768,131072 --no-prefill \
+    --repeats 3 --only mlx-lm/bf16,mlxkv/affine:4/True,mlxkv/turbo:k4v3/True --budget-s 205 \
     --output "$RES/h200-llama-8b-run24-default.json"
+  step ab 80 env OUT="$RES" CONTEXTS="32768 131072" VARIANTS="MLXKV_CUDA_MMA=3 MLXKV_CUDA_MMA=4" \
+    bash scripts/gpu_kernel_ab.sh
 else
   step tests-new 150 $PYT -n 8 --maxfail 6 --timeout 120 tests/test_cuda_ring.py tests/test_cuda_turbo3.py \
     tests/test_cuda_rotate.py
   step batch 130 env OUT="$RES" python3 scripts/gpu_bench.py --contexts 8192,-8192 --no-prefill --repeats 1 \
     --only mlxkv/full/False,mlxkv/affine:4/True --budget-s 115 --output "$RES/h200-llama-8b-run24-batch.json"
+  step gemma3 200 env OUT="$RES/gemma3" python3 scripts/gpu_bench.py --shape gemma3-12b --contexts 8192,-8192,32768 \
+    --no-prefill --repeats 1 --budget-s 180 --only mlx-lm/bf16,mlxkv/full/False,mlxkv/affine:4/True \
+    --output "$RES/h200-gemma3-12b-run24.json"
 fi
 exit 0
