@@ -11,7 +11,7 @@ from functools import cache
 import mlx.core as mx
 
 from ..backend import paged
-from . import (cuda_chunk_mma, cuda_form3, cuda_lean, cuda_mma, cuda_prefetch, cuda_ring, cuda_rotate, cuda_scaled,
+from . import (cuda_carry, cuda_chunk_mma, cuda_form3, cuda_lean, cuda_mma, cuda_prefetch, cuda_ring, cuda_rotate, cuda_scaled,
                cuda_stage, cuda_turbo3, cuda_turbo_mma)
 from .cuda_source import rewrite
 from . import cuda_source as src
@@ -114,7 +114,7 @@ def _special(plan: Plan) -> tuple[str, int, int]:
     if int(plan.mma) == 1 and cuda_prefetch.enabled():  # the word body with its loads a tile ahead (opt-in)
         lvl = cuda_prefetch.level()
         return "prefetch", lvl, cuda_prefetch.distance() if lvl == 3 else 0
-    lean = int(cuda_lean.enabled())  # form 3's loop without its per-tile overheads (the default)
+    lean = cuda_lean.level()  # form 3's loop without its per-tile overheads (the default; 2: carried pointers)
     if int(plan.mma) == 3 and cuda_scaled.enabled():  # form 3 on scaled codes (opt-in)
         return "scaled", lean, 0
     if int(plan.mma) == 3:
@@ -136,9 +136,10 @@ def body(mma: int, special: str = "", key_dim: int = 0, value_dim: int = 0) -> s
         main = cuda_turbo3.body(value_dim, bool(key_dim))
     elif special == "chunk":
         main = cuda_chunk_mma.body(key_dim, value_dim)
-    elif special in ("scaled", "form3"):  # key_dim: 1 for the lean loop (cuda_lean.py)
+    elif special in ("scaled", "form3"):  # key_dim: 1 for the lean loop (cuda_lean.py), 2 with carried pointers
         main = cuda_scaled.body() if special == "scaled" else cuda_form3.BODY
         main = cuda_lean.lean(main) if key_dim else main
+        main = cuda_carry.carry(main) if key_dim == 2 else main
     elif special in ("ring", "ringscaled"):
         main = cuda_ring.body(bool(key_dim), special == "ringscaled")
     elif special == "prefetch":  # key_dim: the level (1 keys, 2 keys and values, 3 L2); value_dim: L2's distance

@@ -28,6 +28,12 @@ def enabled() -> bool:
     return os.environ.get("MLXKV_CUDA_LEAN", "1") != "0"
 
 
+def level() -> int:
+    """MLXKV_CUDA_LEAN: 0 form 3's text, 1 the lean loop (the default), 2 the lean loop with carried pointers over
+    full tiles (`cuda_carry`, opt-in; affine bodies only)."""
+    return {"0": 0, "2": 2}.get(os.environ.get("MLXKV_CUDA_LEAN", "1"), 1)
+
+
 def lean(body: str, values: bool = True) -> str:
     """A form-3 body (`cuda_form3.BODY`, its scaled-code variant, or turbo's with `values` false: its value rows are
     read a half-word at a time, not as words) with the loop's overheads taken out."""
