@@ -11,8 +11,8 @@ from functools import cache
 import mlx.core as mx
 
 from ..backend import paged
-from . import (cuda_carry, cuda_chunk_mma, cuda_form3, cuda_lean, cuda_mma, cuda_prefetch, cuda_ring, cuda_rotate, cuda_scaled,
-               cuda_stage, cuda_turbo3, cuda_turbo_mma)
+from . import (cuda_carry, cuda_chunk_mma, cuda_form3, cuda_lean, cuda_mma, cuda_prefetch, cuda_ring, cuda_rotate,
+               cuda_scaled, cuda_stage, cuda_turbo3, cuda_turbo_mma)
 from .cuda_source import rewrite
 from . import cuda_source as src
 from .cuda_launch import PAGE, THREADS, Plan, Side
