@@ -25,7 +25,7 @@ def test_the_lean_loop_is_form_3s_loop_twice_with_its_overheads_out():
     assert text.count("__any_sync(0xffffffffu, cr0 != 1.f || cr1 != 1.f)") == 2
     # undo the rewrites in one copy of the loop: form 3's loop, character for character
     start = text.index(cuda_lean._LOOP_START)
-    one = text[start:text.index("\n  } else {\n  constexpr bool VEC = false;\n")]
+    one = text[start:text.index(cuda_lean.VEC_END)]
     undone = (one.replace("const int pbt = PAGED ? pb_next : b;", "const int pbt = pb_next;")
               .replace("load_words<WTK>(r ? w1 : w0, row_base(kw, 4, kw_strides.data(), pb, h) + tp * ktb + 4 * WTK * c, VEC);",
                        "load_words<WTK>(r ? w1 : w0, row_base(kw, 4, kw_strides.data(), pb, h) + tp * ktb + 4 * WTK * c, kvec);")
@@ -43,9 +43,9 @@ def test_the_carried_loop_is_the_lean_loop_split_at_the_last_tile():
     lean = cuda_lean.lean(cuda_form3.BODY)
     text = cuda_carry.carry(lean)
     a = text.index("  if constexpr (!PAGED) {\n")
-    b = text.index(cuda_carry.VEC_END, a)
+    b = text.index(cuda_lean.VEC_END, a)
     split = text[a:b]
-    la, lb = lean.index(cuda_carry.VEC_HEAD) + len(cuda_carry.VEC_HEAD), lean.index(cuda_carry.VEC_END)
+    la, lb = lean.index(cuda_lean.VEC_HEAD) + len(cuda_lean.VEC_HEAD), lean.index(cuda_lean.VEC_END)
     loop = lean[la:lb]
     assert text[:a] + text[b:] == lean[:la] + lean[lb:]  # nothing outside the vector loop changed
     full, rest = split.split(cuda_carry.LAST)

@@ -15,11 +15,8 @@ registers, no spill.
 
 from __future__ import annotations
 
+from .cuda_lean import _LOOP_START as FOR, VEC_END, VEC_HEAD
 from .cuda_source import rewrite
-
-VEC_HEAD = "  if (kvec && vvec) {\n  constexpr bool VEC = true;\n"
-VEC_END = "\n  } else {\n  constexpr bool VEC = false;\n"
-FOR = "  for (int t0 = t_begin + 16 * warp; t0 < t_end; t0 += 16 * NWARP) {"
 
 SETUP = r"""
   int t0 = t_begin + 16 * warp;

@@ -22,10 +22,12 @@ from .cuda_source import rewrite
 _RESCALE = "    for (int m = 0; m < NMB; m++) { acc[m][0] *= cr0; acc[m][1] *= cr1; acc[m][2] *= cr0; acc[m][3] *= cr1; }\n"
 _LOOP_START = "  for (int t0 = t_begin + 16 * warp; t0 < t_end; t0 += 16 * NWARP) {"
 _LOOP_END = "\n  float lq0 = l0"  # cuda_stage.PARTIALS follows the loop
+VEC_HEAD = "  if (kvec && vvec) {\n  constexpr bool VEC = true;\n"  # the vector loads' loop follows (with values)
+VEC_END = "\n  } else {\n  constexpr bool VEC = false;\n"  # then the word loads' loop
 
 
 def enabled() -> bool:
-    return os.environ.get("MLXKV_CUDA_LEAN", "1") != "0"
+    return level() > 0
 
 
 def level() -> int:
@@ -44,6 +46,6 @@ def lean(body: str, values: bool = True) -> str:
         *([(", vvec);", ", VEC);")] if values else []),
         ("#pragma unroll\n" + _RESCALE, "    if (__any_sync(0xffffffffu, cr0 != 1.f || cr1 != 1.f)) {  // a maximum moved\n"
                                         "#pragma unroll\n" + _RESCALE + "    }\n")], "cuda_lean")
-    both = ("  if (kvec" + (" && vvec" if values else "") + ") {\n  constexpr bool VEC = true;\n" + loop + "\n  } else {\n  constexpr bool VEC = false;\n"
-            + loop + "\n  }\n")
+    head = VEC_HEAD if values else VEC_HEAD.replace(" && vvec", "")
+    both = head + loop + VEC_END + loop + "\n  }\n"
     return body[:start] + both + body[end:]
