@@ -15,6 +15,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 TAIL_LINES=12 source scripts/gpu_steps.sh
+DEV=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tr A-Z a-z | grep -o "h[12]00" || echo gpu)
+echo "== device: $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | head -1)"
 PYT="python3 -m pytest -q -p no:cacheprovider -p no:benchmark -rfE --tb=short"
 if [ "${PART:-a}" = a ]; then
   step tests-new 120 $PYT -n 8 --maxfail 6 --timeout 100 tests/test_cuda_ring.py tests/test_cuda_turbo3.py \
@@ -25,16 +27,16 @@ if [ "${PART:-a}" = a ]; then
     bash scripts/gpu_kernel_ab.sh
   step decode 200 env OUT="$RES/default" python3 scripts/gpu_bench.py --contexts 128,32768,131072 --no-prefill \
     --repeats 3 --only mlx-lm/bf16,mlxkv/affine:4/True,mlxkv/turbo:k4v3/True --budget-s 185 \
-    --output "$RES/h200-llama-8b-run24-default.json"
+    --output "$RES/$DEV-llama-8b-run24-default.json"
 else
   step tests-new 150 $PYT -n 8 --maxfail 6 --timeout 120 tests/test_cuda_ring.py tests/test_cuda_turbo3.py \
     tests/test_cuda_rotate.py
   step batch 130 env OUT="$RES" python3 scripts/gpu_bench.py --contexts 8192,-8192 --no-prefill --repeats 1 \
-    --only mlxkv/full/False,mlxkv/affine:4/True --budget-s 115 --output "$RES/h200-llama-8b-run24-batch.json"
+    --only mlxkv/full/False,mlxkv/affine:4/True --budget-s 115 --output "$RES/$DEV-llama-8b-run24-batch.json"
   step ab-blocks 45 env OUT="$RES" CONTEXTS="131072" VARIANTS="MLXKV_CUDA_MMA=3 MLXKV_CUDA_MIN_BLOCKS=5" \
     bash scripts/gpu_kernel_ab.sh  # 96 registers and a 112-byte spill: 20 warps an SM against 16
   step gemma3 200 env OUT="$RES/gemma3" python3 scripts/gpu_bench.py --shape gemma3-12b --contexts 8192,-8192,32768 \
     --no-prefill --repeats 1 --budget-s 180 --only mlx-lm/bf16,mlxkv/full/False,mlxkv/affine:4/True \
-    --output "$RES/h200-gemma3-12b-run24.json"
+    --output "$RES/$DEV-gemma3-12b-run24.json"
 fi
 exit 0
